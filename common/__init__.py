@@ -1,0 +1,1 @@
+"""Shared machinery of the HW4 training scripts: model, data, distributed set-up, engine, outputs."""

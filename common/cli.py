@@ -1,0 +1,139 @@
+"""Command line shared by every script, device choice, and the run's set-up."""
+import argparse
+import os
+import random
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
+    return value
+
+
+def non_negative_float(text):
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
+    return value
+
+
+def make_parser(description, script, **defaults):
+    """The flags every script has; `defaults` sets the script's own recipe."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = p.add_argument_group("data")
+    d.add_argument("--data-dir", default="./data", help="folder holding the data set")
+    d.add_argument("--download", action="store_true", help="download the data set into --data-dir")
+    d.add_argument("--dummy", action="store_true", help="random data of the real shapes; no files")
+    d.add_argument("--train-limit", type=positive_int, metavar="N",
+                   help="use only the first N training samples")
+    d.add_argument("--test-limit", type=positive_int, metavar="N",
+                   help="use only the first N test samples")
+    d.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="processes decoding image files")
+
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=positive_int, default=30)
+    t.add_argument("--batch-size", type=positive_int, default=128, help="images per update")
+    t.add_argument("--lr", type=non_negative_float, default=0.1, help="peak learning rate")
+    t.add_argument("--momentum", type=non_negative_float, default=0.9)
+    t.add_argument("--weight-decay", type=non_negative_float, default=5e-4,
+                   help="L2 on weights (not on BatchNorm or biases)")
+    t.add_argument("--warmup-epochs", type=non_negative_float, default=1.0,
+                   help="linear warm-up, then cosine decay to zero")
+    t.add_argument("--label-smoothing", type=non_negative_float, default=0.1)
+    t.add_argument("--seed", type=int, default=0)
+
+    r = p.add_argument_group("run")
+    r.add_argument("--out", default=os.path.join("runs", script),
+                   help="output folder: config.json, metrics.csv, curve.png, checkpoint.pt")
+    r.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    r.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast + channels_last (default: on with CUDA, off on CPU)")
+    r.add_argument("--fresh", action="store_true",
+                   help="start over even if --out holds a checkpoint (default: resume from it)")
+    r.add_argument("--evaluate", action="store_true",
+                   help="only evaluate the checkpoint in --out on the test set")
+    p.set_defaults(**defaults)
+    return p
+
+
+@dataclass
+class Run:
+    """Where a process runs and what it may write."""
+    script: str
+    out: str
+    device: torch.device
+    amp: bool
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    def log(self, *parts):
+        if self.is_main:
+            print(*parts, flush=True)
+
+
+def select_device(name, local_rank=0):
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible; use --device cpu")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def prepare_out_dir(out):
+    """Create --out and prove it is writable before any training time is spent."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write-test.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write there ({exc.strerror}); "
+                        "choose a writable folder") from None
+
+
+def setup_run(args, script, rank=0, world_size=1, local_rank=0):
+    device = select_device(args.device, local_rank)
+    amp = device.type == "cuda" if args.amp is None else args.amp
+    seed_everything(args.seed)
+    if rank == 0 and not args.evaluate:
+        prepare_out_dir(args.out)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return Run(script, args.out, device, amp, rank, world_size)
+
+
+def run_main(main):
+    """Call `main()`; a UserError becomes one line on stderr and exit status 2."""
+    try:
+        code = main()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        code = 2
+    sys.exit(code or 0)

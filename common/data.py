@@ -1,0 +1,328 @@
+"""Data sets held in memory as uint8 tensors, and a loader that augments them on the device.
+
+CIFAR-100 (150 MB) and TinyImageNet (1.2 GB) fit in memory as uint8.  They are read once,
+moved to the training device, and every batch is cropped, flipped and normalised there as a
+whole tensor: no per-sample PIL work in the training loop (that is what makes the public
+solutions' GPUs wait).  The TinyImageNet JPEGs are decoded once, in parallel workers.
+"""
+import math
+import os
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+from .errors import UserError
+
+CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
+TINY_MEAN, TINY_STD = (0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+TINY_URL = "http://cs231n.stanford.edu/tiny-imagenet-200.zip"
+TINY_MD5 = "90528d7ca1a48142e341f4ef8d21d0de"
+
+
+@dataclass
+class ImageSet:
+    """uint8 images (N x 3 x H x W) with int64 labels."""
+    images: torch.Tensor
+    labels: torch.Tensor
+    classes: list
+
+    def __len__(self):
+        return len(self.labels)
+
+    def head(self, n):
+        """The first `n` samples (all of them when `n` is None)."""
+        if n is None:
+            return self
+        return ImageSet(self.images[:n], self.labels[:n], self.classes)
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    num_classes: int
+    image_size: int
+    train_size: int
+    test_size: int
+    mean: tuple
+    std: tuple
+
+
+SPECS = {
+    "cifar100": DatasetSpec(100, 32, 50_000, 10_000, CIFAR100_MEAN, CIFAR100_STD),
+    "tinyimagenet": DatasetSpec(200, 64, 100_000, 10_000, TINY_MEAN, TINY_STD),
+}
+
+
+def load_datasets(name, args):
+    """(train, test) ImageSets of data set `name` as the command line asks."""
+    spec = SPECS[name]
+    if args.dummy:
+        train = dummy_set(args.train_limit or spec.train_size, spec, seed=args.seed)
+        test = dummy_set(args.test_limit or spec.test_size, spec, seed=args.seed + 1)
+        return train, test
+    if name == "cifar100":
+        if args.download:
+            download_cifar100(args.data_dir)
+        train, test = read_cifar100(args.data_dir, True), read_cifar100(args.data_dir, False)
+    else:
+        if args.download:
+            download_tinyimagenet(args.data_dir)
+        train, test = read_tinyimagenet(args.data_dir, args.workers, args.train_limit,
+                                        args.test_limit)
+    return train.head(args.train_limit), test.head(args.test_limit)
+
+
+def dummy_set(n, spec, seed):
+    """Random images and labels of the real shapes (like pytorch/examples' --dummy)."""
+    g = torch.Generator().manual_seed(seed)
+    size = spec.image_size
+    images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
+    labels = torch.randint(0, spec.num_classes, (n,), generator=g)
+    return ImageSet(images, labels, [str(i) for i in range(spec.num_classes)])
+
+
+# ---------------------------------------------------------------- CIFAR-100 (python pickles)
+
+def cifar100_folder(data_dir):
+    return os.path.join(data_dir, "cifar-100-python")
+
+
+def download_cifar100(data_dir):
+    """Fetch and checksum the official archive through torchvision's downloader."""
+    import torchvision
+    torchvision.datasets.CIFAR100(data_dir, train=True, download=True)
+
+
+def read_cifar100(data_dir, train):
+    folder = cifar100_folder(data_dir)
+    path = os.path.join(folder, "train" if train else "test")
+    if not os.path.isdir(folder):
+        raise UserError(f"CIFAR-100 not found: expected {folder}/{{train,test,meta}}; "
+                        "pass --download to fetch it, or --data-dir to point at it")
+    batch = _unpickle(path)
+    meta = _unpickle(os.path.join(folder, "meta"))
+    classes = [n.decode() if isinstance(n, bytes) else n for n in meta.get(b"fine_label_names", [])]
+    data, labels = batch.get(b"data"), batch.get(b"fine_labels")
+    if not isinstance(data, np.ndarray) or labels is None:
+        raise UserError(f"{path}: not a CIFAR-100 pickle (needs b'data' and b'fine_labels'); "
+                        "re-download with --download")
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32 \
+            or len(labels) != len(data):
+        raise UserError(f"{path}: malformed CIFAR-100 pickle (data {data.dtype} {data.shape}, "
+                        f"{len(labels)} labels); re-download with --download")
+    labels = torch.as_tensor(labels, dtype=torch.int64)
+    if len(classes) != 100 or len(labels) == 0 or labels.min() < 0 or labels.max() >= 100:
+        raise UserError(f"{path}: labels or class names are not those of CIFAR-100's 100 classes; "
+                        "re-download with --download")
+    images = torch.from_numpy(data.reshape(-1, 3, 32, 32).copy())
+    return ImageSet(images, labels, classes)
+
+
+def _unpickle(path):
+    if not os.path.isfile(path):
+        raise UserError(f"CIFAR-100 file missing: {path}; pass --download to fetch the data set")
+    try:
+        with open(path, "rb") as f:
+            obj = pickle.load(f, encoding="bytes")
+    except Exception as exc:  # truncated, empty or not a pickle at all
+        raise UserError(f"{path}: unreadable CIFAR-100 pickle ({exc.__class__.__name__}: {exc}); "
+                        "re-download with --download") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{path}: not a CIFAR-100 pickle (holds a {type(obj).__name__}, not a dict)")
+    return obj
+
+
+# ------------------------------------------------------- TinyImageNet-200 (the folder tree)
+
+def tiny_folder(data_dir):
+    return os.path.join(data_dir, "tiny-imagenet-200")
+
+
+def download_tinyimagenet(data_dir):
+    from torchvision.datasets.utils import download_and_extract_archive
+    if not os.path.isdir(tiny_folder(data_dir)):
+        download_and_extract_archive(TINY_URL, data_dir, md5=TINY_MD5)
+
+
+def tinyimagenet_files(data_dir):
+    """(train, val, classes): lists of (path, label) read from the tree as distributed.
+
+    The validation labels come from val/val_annotations.txt, read in memory: no file is
+    moved or written, so any number of processes can do this at once.  Class indices follow
+    the sorted wnids, as torchvision's ImageFolder would number train/<wnid> folders.
+    """
+    root = tiny_folder(data_dir)
+    wnids_path = os.path.join(root, "wnids.txt")
+    if not os.path.isfile(wnids_path):
+        raise UserError(f"TinyImageNet not found: expected {root}/ with wnids.txt, train/ and val/; "
+                        "pass --download to fetch it, or --data-dir to point at it")
+    with open(wnids_path) as f:
+        classes = sorted({line.strip() for line in f if line.strip()})
+    index = {wnid: i for i, wnid in enumerate(classes)}
+
+    train = []
+    for wnid in classes:
+        folder = os.path.join(root, "train", wnid, "images")
+        if not os.path.isdir(folder):
+            raise UserError(f"{folder}: missing training folder of class {wnid} listed in wnids.txt")
+        train += [(os.path.join(folder, n), index[wnid]) for n in sorted(os.listdir(folder))
+                  if n.lower().endswith((".jpeg", ".jpg", ".png"))]
+
+    annotations = os.path.join(root, "val", "val_annotations.txt")
+    if not os.path.isfile(annotations):
+        raise UserError(f"{annotations} missing: the validation labels come from it; "
+                        "restore it from the original tiny-imagenet-200.zip")
+    val = []
+    with open(annotations) as f:
+        for lineno, line in enumerate(f, 1):
+            fields = line.rstrip("\n").split("\t")
+            if not line.strip():
+                continue
+            if len(fields) < 2 or fields[1] not in index:
+                raise UserError(f"{annotations}:{lineno}: label {fields[1:2] or '?'} is not in wnids.txt")
+            val.append((os.path.join(root, "val", "images", fields[0]), index[fields[1]]))
+    return train, val, classes
+
+
+def read_tinyimagenet(data_dir, workers=4, train_limit=None, test_limit=None):
+    train, val, classes = tinyimagenet_files(data_dir)
+    train, val = train[:train_limit], val[:test_limit]
+    return (ImageSet(decode_images([p for p, _ in train], 64, workers),
+                     torch.tensor([y for _, y in train], dtype=torch.int64), classes),
+            ImageSet(decode_images([p for p, _ in val], 64, workers),
+                     torch.tensor([y for _, y in val], dtype=torch.int64), classes))
+
+
+class _DecodedImages(torch.utils.data.Dataset):
+    def __init__(self, paths, size):
+        self.paths, self.size = paths, size
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        from PIL import Image
+        try:
+            with Image.open(self.paths[i]) as img:
+                img = img.convert("RGB")  # some TinyImageNet images are grayscale
+                if img.size != (self.size, self.size):
+                    img = img.resize((self.size, self.size), Image.BILINEAR)
+                array = np.asarray(img, dtype=np.uint8)
+        except OSError as exc:
+            raise UserError(f"{self.paths[i]}: cannot decode image ({exc})") from None
+        return torch.from_numpy(array.copy()).permute(2, 0, 1)
+
+
+def decode_images(paths, size, workers):
+    """Decode image files into one uint8 tensor, `workers` processes in parallel."""
+    out = torch.empty((len(paths), 3, size, size), dtype=torch.uint8)
+    loader = torch.utils.data.DataLoader(_DecodedImages(paths, size), batch_size=512,
+                                         num_workers=workers if len(paths) > 512 else 0)
+    start = 0
+    for batch in loader:
+        out[start:start + len(batch)] = batch
+        start += len(batch)
+    return out
+
+
+# ------------------------------------------------------------------ loading onto the device
+
+class DeviceLoader:
+    """Batches of an ImageSet, sharded over ranks and augmented on the training device.
+
+    Training: a DistributedSampler gives this rank its shard of a permutation that changes
+    every epoch (`set_epoch`); each batch gets a random crop with zero padding and a
+    horizontal flip, drawn from a generator seeded by (seed, epoch, rank).  Test: this rank's
+    samples are ``rank::world_size``, unpadded, so that summing over ranks counts each test
+    sample exactly once.  Batches come out normalised, optionally resized (bilinear, on the
+    device) and in channels_last layout.
+    """
+
+    def __init__(self, data, batch_size, device, *, train, mean, std, rank=0, world_size=1,
+                 seed=0, pad=None, image_size=None, channels_last=False):
+        self.images = data.images.to(device)
+        self.labels = data.labels.to(device)
+        self.batch_size, self.device, self.train = batch_size, torch.device(device), train
+        self.rank, self.seed, self.epoch = rank, seed, 0
+        self.pad = data.images.shape[-1] // 8 if pad is None else pad
+        self.image_size, self.channels_last = image_size, channels_last
+        std = torch.tensor(std, device=device).view(1, 3, 1, 1)
+        self.scale = 1.0 / (255.0 * std)
+        self.shift = -torch.tensor(mean, device=device).view(1, 3, 1, 1) / std
+        if train:
+            self.sampler = DistributedSampler(range(len(data)), num_replicas=world_size,
+                                              rank=rank, shuffle=True, seed=seed)
+            self.num_samples = self.sampler.num_samples
+        else:
+            self.sampler = None
+            self.num_samples = len(range(rank, len(data), world_size))
+        self.world_size = world_size
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self):
+        return math.ceil(self.num_samples / self.batch_size)
+
+    def indices(self):
+        if self.sampler is not None:
+            return torch.tensor(list(self.sampler), dtype=torch.int64)
+        return torch.arange(self.rank, len(self.labels), self.world_size)
+
+    def __iter__(self):
+        order = self.indices().to(self.device)
+        gen = None
+        if self.train:
+            gen = torch.Generator(self.device)
+            gen.manual_seed((self.seed * 1_000_003 + self.epoch * 1009 + self.rank) % 2**63)
+        for start in range(0, len(order), self.batch_size):
+            idx = order[start:start + self.batch_size]
+            x = self.images[idx]
+            if self.train:
+                x = random_crop_flip(x, self.pad, gen)
+            yield self.finish(x), self.labels[idx]
+
+    def finish(self, x):
+        x = x.float() * self.scale + self.shift
+        if self.image_size and self.image_size != x.shape[-1]:
+            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear",
+                              align_corners=False)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+
+def random_crop_flip(x, pad, gen):
+    """Per-sample random crop (zero padding `pad`) and horizontal flip of a uint8 batch.
+
+    Equivalent to torchvision's RandomCrop(size, padding=pad) + RandomHorizontalFlip(),
+    done as two gathers over the whole batch.
+    """
+    b, c, h, w = x.shape
+    dev = x.device
+    padded = F.pad(x, (pad, pad, pad, pad))
+    dy = torch.randint(0, 2 * pad + 1, (b, 1), device=dev, generator=gen)
+    dx = torch.randint(0, 2 * pad + 1, (b, 1), device=dev, generator=gen)
+    flip = torch.rand((b, 1), device=dev, generator=gen) < 0.5
+    rows = dy + torch.arange(h, device=dev)
+    cols = dx + torch.arange(w, device=dev)
+    cols = torch.where(flip, cols.flip(1), cols)
+    x = padded.gather(2, rows.view(b, 1, h, 1).expand(b, c, h, w + 2 * pad))
+    return x.gather(3, cols.view(b, 1, 1, w).expand(b, c, h, w))
+
+
+def make_loaders(train_set, test_set, args, run, *, mean, std, batch_size=None,
+                 rank=0, world_size=1, image_size=None):
+    """Training and test DeviceLoaders; `batch_size` is per rank (default --batch-size)."""
+    batch_size = batch_size or args.batch_size
+    common = dict(mean=mean, std=std, rank=rank, world_size=world_size, seed=args.seed,
+                  image_size=image_size, channels_last=run.amp)
+    return (DeviceLoader(train_set, batch_size, run.device, train=True, **common),
+            DeviceLoader(test_set, max(batch_size, 256), run.device, train=False, **common))

@@ -1,0 +1,252 @@
+"""One training loop and one evaluation for every script.
+
+Nothing here assumes a single process: the loaders shard, `fit` takes a `grad_sync` whose
+`wait()` runs between backward and the optimizer step (sync SGD averages gradients there),
+totals are summed over ranks through `reduce`, and only the main rank writes files.
+"""
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import checkpoint, outputs
+from .errors import UserError
+
+LOG_EVERY = 50  # steps between progress updates / non-finite checks (each costs a device sync)
+
+
+class NonFiniteLoss(UserError):
+    pass
+
+
+def make_optimizer(model, args):
+    """SGD with Nesterov momentum; weight decay on conv/linear weights only (not BN, biases)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum,
+                           nesterov=args.momentum > 0)
+
+
+def warmup_cosine(total_steps, warmup_steps):
+    """LR factor per step: linear warm-up from ~0 to 1, then cosine to 0."""
+    def factor(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def make_scheduler(optimizer, args, steps_per_epoch):
+    total = args.epochs * steps_per_epoch
+    warmup = min(total, round(args.warmup_epochs * steps_per_epoch))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total, warmup))
+
+
+def autocast(run):
+    return torch.autocast(device_type=run.device.type, dtype=torch.bfloat16, enabled=run.amp)
+
+
+def prepare_model(model, run):
+    model = model.to(run.device)
+    if run.amp:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def _progress(loader, desc, run):
+    if not (run.is_main and sys.stderr.isatty()):
+        return loader
+    from tqdm import tqdm
+    return tqdm(loader, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def train_one_epoch(model, loader, criterion, step, run, desc="train"):
+    """One pass over this rank's shard; `step()` applies the gradients after backward.
+
+    Returns this rank's (loss sum, correct, count).  Loss and accuracy are accumulated on the
+    device and read every LOG_EVERY steps only, so the GPU never waits for the host.
+    """
+    model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    correct = torch.zeros((), dtype=torch.int64, device=run.device)
+    count = 0
+    bar = _progress(loader, desc, run)
+    for i, (images, labels) in enumerate(bar):
+        with autocast(run):
+            output = model(images)
+            loss = criterion(output, labels)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        step()
+        loss_sum += loss.detach().double() * labels.numel()
+        correct += (output.detach().argmax(1) == labels).sum()
+        count += labels.numel()
+        if (i + 1) % LOG_EVERY == 0 or i + 1 == len(loader):
+            value = loss.item()
+            if not math.isfinite(value):
+                raise NonFiniteLoss(f"loss became {value} at {desc}, step {i + 1}; "
+                                    f"the last good checkpoint in {run.out} is kept; "
+                                    "lower --lr or try --no-amp")
+            if bar is not loader:
+                bar.set_postfix(loss=f"{loss_sum.item() / count:.3f}",
+                                acc=f"{100.0 * correct.item() / count:.1f}%")
+    return loss_sum.item(), correct.item(), count
+
+
+@torch.no_grad()
+def evaluate(model, loader, run, reduce=None):
+    """Test loss (plain cross-entropy) and accuracy, counted over samples.
+
+    With `reduce` (a sum over ranks) every rank passes its unpadded shard and each test
+    sample is counted exactly once.
+    """
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=run.device)
+    for images, labels in loader:
+        with autocast(run):
+            output = model(images)
+        totals[0] += F.cross_entropy(output.float(), labels, reduction="sum")
+        totals[1] += (output.argmax(1) == labels).sum()
+        totals[2] += labels.numel()
+    if reduce is not None:
+        totals = reduce(totals)
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / max(count, 1), 100.0 * correct / max(count, 1)
+
+
+def describe(run, arch, model, train_set, test_set, batch):
+    """The log's opening line: what trains on what, where, and how."""
+    from .model import count_parameters
+    precision = "bf16 autocast + channels_last" if run.amp else "fp32"
+    run.log(f"{run.script}: {arch}, {count_parameters(model):,} parameters | "
+            f"{len(train_set):,} train / {len(test_set):,} test images "
+            f"{tuple(train_set.images.shape[1:])} | {batch} | device {run.device}, {precision}")
+
+
+def epoch_line(row, epochs):
+    return (f"epoch {row['epoch']:>3}/{epochs} | train loss {row['train_loss']:.4f} "
+            f"acc {row['train_acc']:6.2f}% | test loss {row['test_loss']:.4f} "
+            f"acc {row['test_acc']:6.2f}% | lr {row['lr']:.4g} | "
+            f"{row['epoch_seconds']:.1f} s | {row['images_per_s']:.0f} img/s")
+
+
+def epoch_seed(seed, epoch, rank):
+    """Dropout and other global-RNG draws of an epoch depend on (seed, epoch, rank) only."""
+    return (seed * 1_000_003 + epoch * 7919 + rank * 104_729) % 2**63
+
+
+class Trainer:
+    """Trains `model` for `args.epochs`, evaluating, logging and checkpointing every epoch.
+
+    A checkpoint in `run.out` is resumed (unless `--fresh`): model, optimizer, LR schedule,
+    epoch and the metrics so far.  Because the shuffling, augmentation and dropout streams of
+    every epoch are derived from (seed, epoch, rank), a resumed run continues exactly as an
+    uninterrupted one would.
+    """
+
+    def __init__(self, model, train_loader, test_loader, args, run, *, arch, target=None,
+                 grad_sync=None, comm=None):
+        self.model, self.train_loader, self.test_loader = model, train_loader, test_loader
+        self.args, self.run, self.arch, self.target = args, run, arch, target
+        self.grad_sync, self.comm = grad_sync, comm
+        self.optimizer = make_optimizer(model, args)
+        self.scheduler = make_scheduler(self.optimizer, args, len(train_loader))
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+        self.rows = []
+        self.start_epoch = 0
+        self.path = os.path.join(run.out, "checkpoint.pt")
+
+    # -- state -------------------------------------------------------------------------
+    def will_resume(self):
+        return os.path.exists(self.path) and not self.args.fresh
+
+    def resume(self):
+        """Load `checkpoint.pt` from the out dir if there is one (main rank reads, all get it)."""
+        state = None
+        if self.run.is_main and self.will_resume():
+            state = checkpoint.load(self.path, script=self.run.script, arch=self.arch)
+        if self.comm is not None:
+            state = self.comm.broadcast_object(state)
+        if state is None:
+            return False
+        checkpoint.unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.rows, self.start_epoch = state["rows"], state["epoch"]
+        self.run.log(f"resumed from {self.path} after epoch {self.start_epoch}")
+        return True
+
+    def save(self, epoch):
+        if not self.run.is_main:
+            return
+        checkpoint.save(self.path, script=self.run.script, arch=self.arch, model=self.model,
+                        optimizer=self.optimizer, scheduler=self.scheduler, epoch=epoch,
+                        rows=self.rows, args=vars(self.args))
+        outputs.write_metrics(self.run.out, self.rows)
+        outputs.plot_curve(self.run.out, self.rows, self.run.script, self.target)
+
+    # -- loop --------------------------------------------------------------------------
+    def step(self):
+        if self.grad_sync is not None:
+            self.grad_sync.wait()
+        self.optimizer.step()
+        self.scheduler.step()
+
+    def reduce(self, totals):
+        return self.comm.all_reduce_sum(totals) if self.comm is not None else totals
+
+    def train_epoch(self, epoch):
+        self.train_loader.set_epoch(epoch)
+        torch.manual_seed(epoch_seed(self.args.seed, epoch, self.run.rank))
+        lr = self.optimizer.param_groups[0]["lr"]
+        start = time.perf_counter()
+        loss_sum, correct, count = train_one_epoch(
+            self.model, self.train_loader, self.criterion, self.step, self.run,
+            desc=f"epoch {epoch + 1}")
+        train_seconds = time.perf_counter() - start
+        totals = self.reduce(torch.tensor([loss_sum, correct, count], dtype=torch.float64,
+                                          device=self.run.device)).tolist()
+        test_loss, test_acc = evaluate(self.model, self.test_loader, self.run, self.reduce)
+        seconds = time.perf_counter() - start
+        elapsed = (self.rows[-1]["elapsed_seconds"] if self.rows else 0.0) + seconds
+        return {"epoch": epoch + 1, "train_loss": totals[0] / totals[2],
+                "train_acc": 100.0 * totals[1] / totals[2], "test_loss": test_loss,
+                "test_acc": test_acc, "lr": lr, "epoch_seconds": seconds,
+                "elapsed_seconds": elapsed, "images_per_s": totals[2] / train_seconds}
+
+    def fit(self):
+        self.resume()
+        if self.run.is_main:
+            outputs.write_config(self.run.out, self.args, self.run.device, script=self.run.script,
+                                 arch=self.arch, world_size=self.run.world_size,
+                                 precision="bf16+channels_last" if self.run.amp else "fp32",
+                                 resumed_after_epoch=self.start_epoch)
+        if self.start_epoch >= self.args.epochs and self.rows:
+            self.run.log(f"{self.path} already holds {self.start_epoch} epochs "
+                         f"(--epochs {self.args.epochs}); nothing to train")
+        for epoch in range(self.start_epoch, self.args.epochs):
+            row = self.train_epoch(epoch)
+            self.rows.append(row)
+            self.run.log(epoch_line(row, self.args.epochs))
+            self.save(epoch + 1)
+        if self.rows:
+            self.run.log(f"final test accuracy: {self.rows[-1]['test_acc']:.2f}%")
+        return self.rows
+
+    def evaluate_checkpoint(self):
+        """`--evaluate`: test the checkpoint in the out dir; write nothing."""
+        if not os.path.exists(self.path):
+            raise UserError(f"--evaluate: no checkpoint at {self.path}; train first or "
+                            "point --out at the run to evaluate")
+        self.resume()
+        loss, acc = evaluate(self.model, self.test_loader, self.run, self.reduce)
+        self.run.log(f"checkpoint after epoch {self.start_epoch}: test loss {loss:.4f}")
+        self.run.log(f"final test accuracy: {acc:.2f}%")
+        return acc
