@@ -318,11 +318,23 @@ def random_crop_flip(x, pad, gen):
     return x.gather(3, cols.view(b, 1, 1, w).expand(b, c, h, w))
 
 
+def train_loader(train_set, args, run, *, mean, std, batch_size=None, rank=0, world_size=1,
+                 image_size=None):
+    """This rank's shard of the training set; `batch_size` is per rank (default --batch-size)."""
+    return DeviceLoader(train_set, batch_size or args.batch_size, run.device, train=True,
+                        mean=mean, std=std, rank=rank, world_size=world_size, seed=args.seed,
+                        image_size=image_size, channels_last=run.amp)
+
+
+def test_loader(test_set, args, run, *, mean, std, rank=0, world_size=1, image_size=None):
+    return DeviceLoader(test_set, max(args.batch_size, 256), run.device, train=False,
+                        mean=mean, std=std, rank=rank, world_size=world_size, seed=args.seed,
+                        image_size=image_size, channels_last=run.amp)
+
+
 def make_loaders(train_set, test_set, args, run, *, mean, std, batch_size=None,
                  rank=0, world_size=1, image_size=None):
-    """Training and test DeviceLoaders; `batch_size` is per rank (default --batch-size)."""
-    batch_size = batch_size or args.batch_size
-    common = dict(mean=mean, std=std, rank=rank, world_size=world_size, seed=args.seed,
-                  image_size=image_size, channels_last=run.amp)
-    return (DeviceLoader(train_set, batch_size, run.device, train=True, **common),
-            DeviceLoader(test_set, max(batch_size, 256), run.device, train=False, **common))
+    """Training and test loaders of this rank."""
+    shard = dict(mean=mean, std=std, rank=rank, world_size=world_size, image_size=image_size)
+    return (train_loader(train_set, args, run, batch_size=batch_size, **shard),
+            test_loader(test_set, args, run, **shard))

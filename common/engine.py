@@ -152,15 +152,15 @@ class Trainer:
     """
 
     def __init__(self, model, train_loader, test_loader, args, run, *, arch, target=None,
-                 grad_sync=None, comm=None):
+                 grad_sync=None, comm=None, steps_per_epoch=None):
         self.model, self.train_loader, self.test_loader = model, train_loader, test_loader
         self.args, self.run, self.arch, self.target = args, run, arch, target
         self.grad_sync, self.comm = grad_sync, comm
         self.optimizer = make_optimizer(model, args)
-        self.scheduler = make_scheduler(self.optimizer, args, len(train_loader))
+        self.scheduler = make_scheduler(self.optimizer, args,
+                                        steps_per_epoch or len(train_loader))
         self.criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-        self.rows = []
-        self.start_epoch = 0
+        self.rows, self.start_epoch, self.extra = [], 0, {}
         self.path = os.path.join(run.out, "checkpoint.pt")
 
     # -- state -------------------------------------------------------------------------
@@ -169,26 +169,32 @@ class Trainer:
 
     def resume(self):
         """Load `checkpoint.pt` from the out dir if there is one (main rank reads, all get it)."""
-        state = None
+        state, error = None, None
         if self.run.is_main and self.will_resume():
-            state = checkpoint.load(self.path, script=self.run.script, arch=self.arch)
+            try:
+                state = checkpoint.load(self.path, script=self.run.script, arch=self.arch)
+            except UserError as exc:  # tell the other ranks too, rather than leave them waiting
+                error = str(exc)
         if self.comm is not None:
-            state = self.comm.broadcast_object(state)
+            state, error = self.comm.broadcast_object((state, error))
+        if error:
+            raise UserError(error)
         if state is None:
             return False
         checkpoint.unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.rows, self.start_epoch = state["rows"], state["epoch"]
+        self.extra = state.get("extra") or {}
         self.run.log(f"resumed from {self.path} after epoch {self.start_epoch}")
         return True
 
-    def save(self, epoch):
+    def save(self, epoch, extra=None):
         if not self.run.is_main:
             return
         checkpoint.save(self.path, script=self.run.script, arch=self.arch, model=self.model,
                         optimizer=self.optimizer, scheduler=self.scheduler, epoch=epoch,
-                        rows=self.rows, args=vars(self.args))
+                        rows=self.rows, args=vars(self.args), extra=extra)
         outputs.write_metrics(self.run.out, self.rows)
         outputs.plot_curve(self.run.out, self.rows, self.run.script, self.target)
 
@@ -213,6 +219,8 @@ class Trainer:
         train_seconds = time.perf_counter() - start
         totals = self.reduce(torch.tensor([loss_sum, correct, count], dtype=torch.float64,
                                           device=self.run.device)).tolist()
+        if self.comm is not None:
+            self.comm.average_buffers(self.model)
         test_loss, test_acc = evaluate(self.model, self.test_loader, self.run, self.reduce)
         seconds = time.perf_counter() - start
         elapsed = (self.rows[-1]["elapsed_seconds"] if self.rows else 0.0) + seconds
@@ -221,13 +229,16 @@ class Trainer:
                 "test_acc": test_acc, "lr": lr, "epoch_seconds": seconds,
                 "elapsed_seconds": elapsed, "images_per_s": totals[2] / train_seconds}
 
-    def fit(self):
-        self.resume()
+    def write_config(self, **extra):
         if self.run.is_main:
             outputs.write_config(self.run.out, self.args, self.run.device, script=self.run.script,
                                  arch=self.arch, world_size=self.run.world_size,
                                  precision="bf16+channels_last" if self.run.amp else "fp32",
-                                 resumed_after_epoch=self.start_epoch)
+                                 resumed_after_epoch=self.start_epoch, **extra)
+
+    def fit(self):
+        self.resume()
+        self.write_config()
         if self.start_epoch >= self.args.epochs and self.rows:
             self.run.log(f"{self.path} already holds {self.start_epoch} epochs "
                          f"(--epochs {self.args.epochs}); nothing to train")
@@ -242,10 +253,9 @@ class Trainer:
 
     def evaluate_checkpoint(self):
         """`--evaluate`: test the checkpoint in the out dir; write nothing."""
-        if not os.path.exists(self.path):
+        if not self.resume():
             raise UserError(f"--evaluate: no checkpoint at {self.path}; train first or "
                             "point --out at the run to evaluate")
-        self.resume()
         loss, acc = evaluate(self.model, self.test_loader, self.run, self.reduce)
         self.run.log(f"checkpoint after epoch {self.start_epoch}: test loss {loss:.4f}")
         self.run.log(f"final test accuracy: {acc:.2f}%")

@@ -5,6 +5,9 @@ Two choices the handout leaves open are named arguments of `HW4ResNet`:
 * ``post_add_relu`` -- Figure 2 draws no ReLU after the addition; He et al. (2016) and the
   slides' ``BasicBlock`` code apply one.  Default ``True`` (He et al.); ``False`` is Figure 2
   to the letter.
+* ``zero_init_residual`` -- the last BN of every block starts with weight 0, so that each
+  block starts as the identity (Goyal et al., 2017; torchvision's option of the same name):
+  smaller initial logits and a stabler warm-up.  It changes the initial values only.
 * the max pool -- a global max pool over whatever the last stage produces: 4x4 -> 1x1 for
   32x32 inputs (CIFAR-100), 8x8 -> 1x1 for 64x64 inputs (TinyImageNet).  The fully connected
   layer therefore always sees 256 features, and one class serves both input sizes.
@@ -57,7 +60,8 @@ class BasicBlock(nn.Module):
 class HW4ResNet(nn.Module):
     """Figure 1: conv1 -> BN -> ReLU -> Dropout -> conv2_x..conv5_x -> max pool -> FC."""
 
-    def __init__(self, num_classes=100, dropout=0.1, post_add_relu=True, stages=HW4_STAGES):
+    def __init__(self, num_classes=100, dropout=0.1, post_add_relu=True, zero_init_residual=True,
+                 stages=HW4_STAGES):
         super().__init__()
         width = stages[0][0]
         self.conv1 = conv3x3(3, width, stride=1)
@@ -75,15 +79,19 @@ class HW4ResNet(nn.Module):
         self.conv2_x, self.conv3_x, self.conv4_x, self.conv5_x = layers
         self.pool = nn.AdaptiveMaxPool2d(1)
         self.fc = nn.Linear(in_channels, num_classes)
-        self._init_weights()
+        self._init_weights(zero_init_residual)
 
-    def _init_weights(self):
+    def _init_weights(self, zero_init_residual):
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
             elif isinstance(m, nn.BatchNorm2d):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+        if zero_init_residual:
+            for m in self.modules():
+                if isinstance(m, BasicBlock):
+                    nn.init.zeros_(m.bn2.weight)
 
     def forward(self, x):
         x = self.dropout(self.relu(self.bn1(self.conv1(x))))

@@ -1,0 +1,263 @@
+"""Asynchronous SGD on CIFAR-100 with a parameter server (the slides' Algorithm 2).
+
+    mpirun -np 3 python async_sgd_cifar100.py      # 1 server + 2 workers (any launcher works)
+
+Rank 0 is the parameter server: it holds the model and the optimizer.  Every other rank is a
+worker that trains on its own shard of the data:
+
+    loop:  compute a gradient on a mini-batch
+           isend it, as one flat tensor, to the server
+           irecv the server's current parameters and continue from them
+
+The server serves whichever worker's gradient arrives first (a receive from any source, not a
+fixed 1..N order) and applies each gradient as it arrives.  A gradient is *stale* by the number
+of updates the server applied between sending that worker its parameters and receiving the
+gradient computed from them; --staleness-lr divides the learning rate by it.  Each worker
+announces when its epochs are done; when all have, the server evaluates, writes its outputs
+and releases everyone.  The server evaluates the test set once per epoch-equivalent of
+updates (training-set size / batch size), so the curve has a point per epoch.
+"""
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from common import cli, data, distributed, engine
+from common.checkpoint import unwrap
+from common.errors import UserError
+from common.model import HW4ResNet
+
+SCRIPT = "async_sgd_cifar100"
+ARCH = "hw4-resnet"
+TARGET = 60.0  # the homework's test-accuracy target, %
+
+# A worker's message: [kind, samples, correct, loss sum | gradients | BatchNorm buffers].
+GRADIENT, DONE = 0.0, 1.0
+HEADER = 4
+
+
+class Layout:
+    """Where each parameter and BatchNorm buffer sits in the flat messages."""
+
+    def __init__(self, model):
+        self.params = [p for p in model.parameters()]
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.n_params = sum(p.numel() for p in self.params)
+        self.n_buffers = sum(b.numel() for b in self.buffers)
+        self.message_size = HEADER + self.n_params + self.n_buffers
+
+    def flat_params(self):
+        return torch.cat([p.detach().reshape(-1) for p in self.params]).cpu()
+
+    def load_params(self, flat):
+        for p, chunk in zip(self.params, flat.to(self.params[0].device).split(
+                [p.numel() for p in self.params])):
+            p.data.copy_(chunk.view_as(p))
+
+    def pack_gradient(self, message):
+        grads = [p.grad.reshape(-1) for p in self.params]
+        bufs = [b.reshape(-1) for b in self.buffers]
+        message[HEADER:].copy_(torch.cat(grads + bufs))
+
+    def unpack_gradient(self, message):
+        """Set each .grad and BN buffer from a received message (the latest worker's stats)."""
+        body = message[HEADER:].to(self.params[0].device)
+        grads, bufs = body.split([self.n_params, self.n_buffers])
+        for p, g in zip(self.params, grads.split([p.numel() for p in self.params])):
+            p.grad = g.view_as(p)
+        for b, v in zip(self.buffers, bufs.split([b.numel() for b in self.buffers])):
+            b.copy_(v.view_as(b))
+
+
+# ----------------------------------------------------------------------------- worker
+
+def work(model, loader, args, run, start_epoch):
+    """Compute gradients on this worker's shard; exchange each with the server."""
+    layout = Layout(model)
+    message = torch.zeros(layout.message_size)
+    params = torch.zeros(layout.n_params)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    sent = 0
+    for epoch in range(start_epoch, args.epochs):
+        loader.set_epoch(epoch)
+        torch.manual_seed(engine.epoch_seed(args.seed, epoch, run.rank))
+        model.train()
+        for images, labels in loader:
+            with engine.autocast(run):
+                output = model(images)
+                loss = criterion(output, labels)
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            message[:HEADER] = torch.tensor([GRADIENT, labels.numel(),
+                                             (output.argmax(1) == labels).sum().item(),
+                                             loss.item() * labels.numel()])
+            layout.pack_gradient(message)
+            reply = dist.irecv(params, src=0)
+            dist.isend(message, dst=0).wait()
+            reply.wait()
+            layout.load_params(params)
+            sent += 1
+            if args.straggler_delay and run.rank == 1:
+                time.sleep(args.straggler_delay)
+    message[:HEADER] = torch.tensor([DONE, sent, 0, 0])
+    dist.isend(message, dst=0).wait()
+    dist.barrier()  # released by the server once its outputs are written
+
+
+# ----------------------------------------------------------------------------- server
+
+class Server:
+    """Applies gradients as they arrive, tracks staleness, evaluates once per epoch-equivalent."""
+
+    def __init__(self, trainer, n_workers, updates_per_epoch):
+        self.trainer, self.n_workers = trainer, n_workers
+        self.updates_per_epoch = updates_per_epoch
+        self.layout = Layout(unwrap(trainer.model))
+        self.reply = {w: torch.zeros(self.layout.n_params) for w in range(1, n_workers + 1)}
+        self.pending = {}
+        self.version = trainer.start_epoch * updates_per_epoch  # updates applied so far
+        self.sent_version = {w: self.version for w in self.reply}
+        self.applied = {w: 0 for w in self.reply}
+        self._new_epoch()
+
+    def _new_epoch(self):
+        self.totals = [0.0, 0.0, 0.0]  # loss sum, correct, samples
+        self.staleness = []
+        self.busy = 0.0
+        self.lr = self.trainer.scheduler.get_last_lr()[0]
+        self.started = time.perf_counter()
+
+    def serve(self):
+        message = torch.zeros(self.layout.message_size)
+        done = {}
+        while len(done) < self.n_workers:
+            worker = dist.recv(message)  # from whichever worker sends first
+            begin = time.perf_counter()
+            if message[0].item() == DONE:
+                done[worker] = int(message[1].item())
+                continue
+            self.apply(worker, message)
+            self.send_parameters(worker)
+            self.busy += time.perf_counter() - begin
+            if self.version % self.updates_per_epoch == 0:
+                self.end_epoch()
+        for request in self.pending.values():
+            request.wait()
+        for worker, sent in done.items():
+            self.trainer.run.log(f"worker {worker}: {sent} gradients sent, "
+                                 f"{self.applied[worker]} applied")
+        if self.staleness:  # updates after the last full epoch-equivalent
+            self.end_epoch()
+        return done
+
+    def apply(self, worker, message):
+        trainer = self.trainer
+        staleness = self.version - self.sent_version[worker]
+        self.layout.unpack_gradient(message)
+        if trainer.args.staleness_lr and staleness > 0:
+            for group, lr in zip(trainer.optimizer.param_groups, trainer.scheduler.get_last_lr()):
+                group["lr"] = lr / staleness
+        trainer.optimizer.step()
+        trainer.scheduler.step()  # also restores the scheduled learning rate
+        self.version += 1
+        self.applied[worker] += 1
+        self.staleness.append(staleness)
+        samples, correct, loss_sum = message[1:HEADER].tolist()
+        self.totals = [self.totals[0] + loss_sum, self.totals[1] + correct,
+                       self.totals[2] + samples]
+
+    def send_parameters(self, worker):
+        if worker in self.pending:
+            self.pending[worker].wait()  # the previous reply to it has left the buffer
+        self.reply[worker].copy_(self.layout.flat_params())
+        self.pending[worker] = dist.isend(self.reply[worker], dst=worker)
+        self.sent_version[worker] = self.version
+
+    def end_epoch(self):
+        trainer, run = self.trainer, self.trainer.run
+        seconds = time.perf_counter() - self.started
+        test_loss, test_acc = engine.evaluate(trainer.model, trainer.test_loader, run)
+        loss_sum, correct, samples = self.totals
+        epoch = math.ceil(self.version / self.updates_per_epoch)
+        updates = len(self.staleness)
+        row = {"epoch": epoch, "train_loss": loss_sum / samples, "train_acc": 100 * correct / samples,
+               "test_loss": test_loss, "test_acc": test_acc,
+               "lr": self.lr, "epoch_seconds": seconds,
+               "elapsed_seconds": (trainer.rows[-1]["elapsed_seconds"] if trainer.rows else 0)
+               + seconds, "images_per_s": samples / seconds, "updates": self.version,
+               "updates_per_s": updates / seconds,
+               "mean_staleness": sum(self.staleness) / updates,
+               "max_staleness": max(self.staleness), "server_busy": self.busy / seconds}
+        trainer.rows.append(row)
+        run.log(engine.epoch_line(row, trainer.args.epochs) +
+                f" | {row['updates_per_s']:.1f} updates/s | staleness mean "
+                f"{row['mean_staleness']:.2f} max {row['max_staleness']}")
+        trainer.save(epoch, extra={"updates": self.version})
+        self._new_epoch()
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    parser = cli.make_parser(__doc__, SCRIPT, epochs=40, batch_size=128, lr=0.05)
+    parser.add_argument("--dropout", type=float, default=0.1,
+                        help="dropout probability after conv1 (Figure 1)")
+    distributed.add_distributed_args(parser)
+    g = parser.add_argument_group("async SGD")
+    g.add_argument("--staleness-lr", action="store_true",
+                   help="divide the learning rate of a stale gradient by its staleness")
+    g.add_argument("--straggler-delay", type=float, default=0.0, metavar="SECONDS",
+                   help="make worker 1 sleep this long after each step (shows staleness)")
+    parser.set_defaults(backend="gloo")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    launch = distributed.detect_launch()
+    if launch.world_size < 2:
+        raise UserError("async SGD needs at least 2 processes (rank 0 is the parameter server, "
+                        "the others are workers); start it with e.g. mpirun -np 3")
+    if args.backend not in ("gloo", "mpi"):
+        raise UserError(f"--backend {args.backend}: the parameter server receives from any "
+                        "source, which only gloo and mpi offer; use --backend gloo")
+    run = cli.setup_run(args, SCRIPT, launch.rank, launch.world_size, launch.local_rank)
+    comm = distributed.init_distributed(args, run.device, launch,
+                                        backend=distributed.resolve_backend(args.backend, run.device))
+    n_workers = comm.world_size - 1
+    spec = data.SPECS["cifar100"]
+    train_set, test_set = data.load_datasets("cifar100", args)
+    # Workers shard the training set among themselves; the server alone evaluates.
+    norm = dict(mean=spec.mean, std=spec.std)
+    if comm.rank == 0:
+        train_loader, test_loader = None, data.test_loader(test_set, args, run, **norm)
+    else:
+        train_loader, test_loader = data.train_loader(
+            train_set, args, run, rank=comm.rank - 1, world_size=n_workers, **norm), None
+    shard = math.ceil(len(train_set) / n_workers)  # DistributedSampler's samples per shard
+    updates_per_epoch = math.ceil(shard / args.batch_size) * n_workers
+
+    model = engine.prepare_model(HW4ResNet(spec.num_classes, dropout=args.dropout), run)
+    trainer = engine.Trainer(model, None, test_loader, args, run, arch=ARCH, target=TARGET,
+                             comm=comm, steps_per_epoch=updates_per_epoch)
+    try:
+        trainer.resume()
+        comm.broadcast_parameters(model)  # every worker starts from the server's weights
+        if comm.rank == 0:
+            engine.describe(run, ARCH, model, train_set, test_set,
+                            f"1 server + {n_workers} workers x batch {args.batch_size}, "
+                            f"{updates_per_epoch} updates per epoch")
+            trainer.write_config(updates_per_epoch=updates_per_epoch)
+            Server(trainer, n_workers, updates_per_epoch).serve()
+            if trainer.rows:
+                run.log(f"final test accuracy: {trainer.rows[-1]['test_acc']:.2f}%")
+            dist.barrier()  # release the workers
+        else:
+            work(model, train_loader, args, run, trainer.start_epoch)
+    finally:
+        comm.close()
+
+
+if __name__ == "__main__":
+    cli.run_main(main)
