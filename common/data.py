@@ -244,10 +244,11 @@ class DeviceLoader:
     """
 
     def __init__(self, data, batch_size, device, *, train, mean, std, rank=0, world_size=1,
-                 seed=0, pad=None, image_size=None, channels_last=False):
+                 seed=0, pad=None, image_size=None, channels_last=False, augment=None):
         self.images = data.images.to(device)
         self.labels = data.labels.to(device)
         self.batch_size, self.device, self.train = batch_size, torch.device(device), train
+        self.augment = train if augment is None else augment
         self.rank, self.seed, self.epoch = rank, seed, 0
         self.pad = data.images.shape[-1] // 8 if pad is None else pad
         self.image_size, self.channels_last = image_size, channels_last
@@ -279,13 +280,13 @@ class DeviceLoader:
     def __iter__(self):
         order = self.indices().to(self.device)
         gen = None
-        if self.train:
+        if self.augment:
             gen = torch.Generator(self.device)
             gen.manual_seed((self.seed * 1_000_003 + self.epoch * 1009 + self.rank) % 2**63)
         for start in range(0, len(order), self.batch_size):
             idx = order[start:start + self.batch_size]
             x = self.images[idx]
-            if self.train:
+            if self.augment:
                 x = random_crop_flip(x, self.pad, gen)
             yield self.finish(x), self.labels[idx]
 

