@@ -1,0 +1,428 @@
+"""The Kubernetes package in k8s/: every overlay renders with `kubectl kustomize`,
+the rendered objects are valid, the custom resources carry what their operators
+need, and a parameter set in an overlay's params.yaml lands where it belongs.
+
+kubectl: the `kubectl` on PATH, or the binaries named in $KUBECTL (one path, or
+several separated by ':'), e.g. KUBECTL=/usr/bin/kubectl:/opt/k120/usr/bin/kubectl
+to check both kustomize v5 and the kustomize v2.0 embedded in kubectl 1.20.
+"""
+import os
+import re
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="pyyaml is needed (requirements-dev.txt)")
+kubernetes_validate = pytest.importorskip(
+    "kubernetes_validate", reason="kubernetes-validate is needed (requirements-dev.txt)")
+
+REPO = Path(__file__).resolve().parent.parent
+K8S = REPO / "k8s"
+
+OVERLAYS = {
+    # overlay: (workload kind, storage)
+    "single-node/user-mounted-nfs": ("Pod", "nfs"),
+    "single-node/user-allocated-pvc": ("Pod", "pvc"),
+    "multi-node/user-mounted-nfs": ("MPIJob", "nfs"),
+    "multi-node/user-allocated-pvc": ("MPIJob", "pvc"),
+    "pytorchjob/cpu": ("PyTorchJob", "pvc"),
+    "pytorchjob/gpu": ("PyTorchJob", "pvc"),
+}
+COMMON_PARAMS = ["IMAGE", "SCRIPT", "ARGS", "DATASET_DIR", "OUTPUT_DIR"]
+STORAGE_PARAMS = {"nfs": ["NFS_SERVER", "NFS_PATH"], "pvc": ["PVC_NAME", "PVC_PATH"]}
+ALL_PARAMS = (COMMON_PARAMS + STORAGE_PARAMS["nfs"] + STORAGE_PARAMS["pvc"]
+              + ["USER_ID", "GROUP_ID", "FS_ID", "WORKERS"])
+SCRIPTS = ["resnet_cifar100.py", "resnet_tinyimagenet.py", "pretrained_cifar100.py",
+           "sync_sgd_cifar100.py", "async_sgd_cifar100.py"]
+
+
+# --------------------------------------------------------------------------- kubectl
+def _kubectl_binaries():
+    env = os.environ.get("KUBECTL", "").strip()
+    if env:
+        return [p for p in env.split(os.pathsep) if p]
+    found = shutil.which("kubectl")
+    return [found] if found else []
+
+
+def _kubectl_id(path):
+    try:
+        out = subprocess.run([path, "version", "--client"], capture_output=True,
+                             text=True, timeout=60).stdout
+    except OSError:
+        return os.path.basename(path)
+    m = re.search(r'GitVersion:"(v[\d.]+)|Client Version: (v[\d.]+)', out)
+    return "kubectl-" + (m.group(1) or m.group(2)) if m else path
+
+
+KUBECTLS = _kubectl_binaries()
+KUBECTL_PARAMS = ([pytest.param(k, id=_kubectl_id(k)) for k in KUBECTLS] or
+                  [pytest.param(None, id="no-kubectl", marks=pytest.mark.skip(
+                      reason="no kubectl found: put kubectl on PATH or set KUBECTL "
+                             "to its path (Debian: apt-get install kubernetes-client)"))])
+
+
+@pytest.fixture(params=KUBECTL_PARAMS)
+def kubectl(request):
+    path = request.param
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        pytest.fail(f"KUBECTL names {path!r}, which is not an executable file")
+    return path
+
+
+def render(kubectl, overlay_dir):
+    proc = subprocess.run([kubectl, "kustomize", str(overlay_dir)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, (
+        f"`{kubectl} kustomize {overlay_dir}` failed:\n{proc.stderr}")
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    assert docs, f"{overlay_dir} rendered nothing"
+    return proc.stdout, docs
+
+
+def one(docs, kind):
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {[d['kind'] for d in docs]}"
+    return found[0]
+
+
+def pod_specs(docs):
+    """(role, pod spec) of every pod the workload creates."""
+    for d in docs:
+        if d["kind"] == "Pod":
+            yield "Pod", d["spec"]
+        elif d["kind"] == "MPIJob":
+            for role, rs in d["spec"]["mpiReplicaSpecs"].items():
+                yield role, rs["template"]["spec"]
+        elif d["kind"] == "PyTorchJob":
+            for role, rs in d["spec"]["pytorchReplicaSpecs"].items():
+                yield role, rs["template"]["spec"]
+
+
+def training_specs(docs):
+    """The pod specs whose container runs (or launches) the training script."""
+    return [(role, spec) for role, spec in pod_specs(docs) if role != "Worker"
+            or docs_kind(docs) == "PyTorchJob"]
+
+
+def docs_kind(docs):
+    kinds = {d["kind"] for d in docs} & {"Pod", "MPIJob", "PyTorchJob"}
+    assert len(kinds) == 1, kinds
+    return kinds.pop()
+
+
+def command_text(container):
+    return "\n".join((container.get("command") or []) + (container.get("args") or []))
+
+
+def params_of(docs):
+    return one(docs, "ConfigMap")["data"]
+
+
+# --------------------------------------------------------------------------- layout
+def test_package_layout():
+    for overlay in OVERLAYS:
+        d = K8S / overlay
+        assert (d / "kustomization.yaml").is_file(), d
+        assert (d / "params.yaml").is_file(), d
+    found = {str(p.parent.relative_to(K8S)) for p in K8S.rglob("params.yaml")
+             if "base" not in p.parts}
+    assert found == set(OVERLAYS), "overlays on disk and in this test differ"
+    readme = (K8S / "README.md").read_text()
+    for name in ALL_PARAMS:
+        assert name in readme, f"k8s/README.md does not explain {name}"
+    for overlay, (_, storage) in OVERLAYS.items():
+        text = (K8S / overlay / "params.yaml").read_text()
+        for name in (COMMON_PARAMS + STORAGE_PARAMS[storage]
+                     + ["USER_ID", "GROUP_ID", "FS_ID", "WORKERS"]):
+            if name == "WORKERS" and OVERLAYS[overlay][0] == "Pod":
+                continue
+            assert name in text, f"{overlay}/params.yaml does not show {name}"
+
+
+def test_dockerfile_builds_what_the_manifests_expect():
+    text = (REPO / "Dockerfile").read_text()
+    for needle in ["FROM python:3", "openmpi-bin", "libopenmpi-dev", "openssh-server",
+                   "mpi4py", "WORKDIR /workspace", "COPY . /workspace",
+                   "k8s/image/sshd_config", "/home/mpiuser/.sshd_config", "USER "]:
+        assert needle in text, f"Dockerfile lacks {needle!r}"
+    assert (REPO / ".dockerignore").is_file()
+    for name in ("sshd_config", "ssh_config"):
+        assert "2222" in (K8S / "image" / name).read_text()
+
+
+# --------------------------------------------------------------------------- rendering
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_overlay_renders_valid_objects(kubectl, overlay):
+    text, docs = render(kubectl, K8S / overlay)
+    kind, storage = OVERLAYS[overlay]
+    for name in ALL_PARAMS:
+        assert f"$({name})" not in text, f"$({name}) left unsubstituted"
+    assert docs_kind(docs) == kind
+    # The oldest and the newest Kubernetes the validator knows.
+    versions = sorted({kubernetes_validate.utils.all_versions()[0],
+                       kubernetes_validate.utils.latest_version()})
+    for version in versions:
+        for d in docs:
+            if d["apiVersion"].startswith("kubeflow.org/"):
+                continue
+            kubernetes_validate.validate(d, version, strict=True)
+        # The pods inside the custom resources are validated as Pods.
+        for role, spec in pod_specs(docs):
+            pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": role.lower()},
+                   "spec": spec}
+            kubernetes_validate.validate(pod, version, strict=True)
+    params = params_of(docs)
+    assert set(COMMON_PARAMS + STORAGE_PARAMS[storage]) <= set(params)
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_pods_run_as_the_user_and_mount_the_storage(kubectl, overlay):
+    _, docs = render(kubectl, K8S / overlay)
+    kind, storage = OVERLAYS[overlay]
+    params = params_of(docs)
+    identities = set()
+    for role, spec in pod_specs(docs):
+        sc = spec["securityContext"]
+        identities.add((sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"]))
+        for key in ("runAsUser", "runAsGroup", "fsGroup"):
+            assert isinstance(sc[key], int), f"{role}: {key} is not a number"
+        if kind == "MPIJob" and role == "Launcher":
+            continue                      # mpirun only: no data volumes
+        shared = [v for v in spec["volumes"] if v["name"] == "shared"]
+        assert len(shared) == 1, f"{role}: no volume 'shared'"
+        if storage == "nfs":
+            assert shared[0]["nfs"] == {"server": params["NFS_SERVER"],
+                                        "path": params["NFS_PATH"]}
+        else:
+            assert shared[0]["persistentVolumeClaim"]["claimName"] == params["PVC_NAME"]
+        mounts = {m["mountPath"]: m for m in spec["containers"][0]["volumeMounts"]}
+        data = mounts[params["DATASET_DIR"]]
+        out = mounts[params["OUTPUT_DIR"]]
+        assert data["name"] == out["name"] == "shared"
+        assert data.get("readOnly") is True, f"{role}: the data must be read-only"
+        assert not out.get("readOnly"), f"{role}: the output must be writable"
+        prefix = "" if storage == "nfs" else params["PVC_PATH"] + "/"
+        assert data["subPath"] == prefix + "data"
+        assert out["subPath"] == prefix + "output"
+    assert len(identities) == 1, f"pods of one job run as different users: {identities}"
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_restarts_resume_from_a_fixed_out(kubectl, overlay):
+    _, docs = render(kubectl, K8S / overlay)
+    for d in docs:
+        if d["kind"] == "Pod":
+            assert d["spec"]["restartPolicy"] == "OnFailure"
+        elif d["kind"] == "MPIJob":
+            specs = d["spec"]["mpiReplicaSpecs"].values()
+            assert all(rs["restartPolicy"] == "OnFailure" for rs in specs)
+        elif d["kind"] == "PyTorchJob":
+            specs = d["spec"]["pytorchReplicaSpecs"].values()
+            assert all(rs["restartPolicy"] == "OnFailure" for rs in specs)
+    for role, spec in training_specs(docs):
+        text = command_text(spec["containers"][0])
+        assert '--out "$OUTPUT_DIR/$run"' in text, role
+        assert "--fresh" not in text, f"{role}: --fresh would defeat the auto-resume"
+
+
+def test_mpijob_has_what_the_mpi_operator_needs(kubectl):
+    for overlay, (kind, _) in OVERLAYS.items():
+        if kind != "MPIJob":
+            continue
+        _, docs = render(kubectl, K8S / overlay)
+        job = one(docs, "MPIJob")
+        params = params_of(docs)
+        assert job["apiVersion"] == "kubeflow.org/v2beta1"
+        spec = job["spec"]
+        assert spec["slotsPerWorker"] == 1
+        assert spec["sshAuthMountPath"] == "/home/mpiuser/.ssh"
+        assert "runPolicy" in spec and "cleanPodPolicy" in spec["runPolicy"]
+        rs = spec["mpiReplicaSpecs"]
+        assert set(rs) == {"Launcher", "Worker"}
+        assert rs["Launcher"]["replicas"] == 1
+        assert isinstance(rs["Worker"]["replicas"], int) and rs["Worker"]["replicas"] >= 1
+        launcher = rs["Launcher"]["template"]["spec"]["containers"][0]
+        text = command_text(launcher)
+        assert re.search(r'mpirun -np "\$WORKERS"', text)
+        assert "/etc/mpi/hostfile" in text
+        assert f"script='{params['SCRIPT']}'" in text and 'python "$script"' in text
+        worker = rs["Worker"]["template"]["spec"]["containers"][0]
+        assert worker["command"] == ["/usr/sbin/sshd"]
+        assert worker["args"][:1] == ["-De"] and "/home/mpiuser/.sshd_config" in worker["args"]
+        for c in (launcher, worker):
+            assert c["image"] == params["IMAGE"]
+
+
+def test_pytorchjob_has_what_the_training_operator_needs(kubectl):
+    for overlay, (kind, _) in OVERLAYS.items():
+        if kind != "PyTorchJob":
+            continue
+        _, docs = render(kubectl, K8S / overlay)
+        job = one(docs, "PyTorchJob")
+        params = params_of(docs)
+        assert job["apiVersion"] == "kubeflow.org/v1"
+        rs = job["spec"]["pytorchReplicaSpecs"]
+        assert set(rs) == {"Master", "Worker"}
+        assert rs["Master"]["replicas"] == 1
+        assert isinstance(rs["Worker"]["replicas"], int) and rs["Worker"]["replicas"] >= 1
+        for role in ("Master", "Worker"):
+            containers = rs[role]["template"]["spec"]["containers"]
+            pytorch = [c for c in containers if c["name"] == "pytorch"]
+            assert pytorch, f"{overlay} {role}: no container named 'pytorch'"
+            c = pytorch[0]
+            assert c["image"] == params["IMAGE"]
+            assert f"script='{params['SCRIPT']}'" in command_text(c)
+            limits = c.get("resources", {}).get("limits", {})
+            if overlay.endswith("gpu"):
+                assert limits.get("nvidia.com/gpu") == 1, f"{overlay} {role}: no GPU limit"
+            else:
+                assert "nvidia.com/gpu" not in limits
+
+
+# --------------------------------------------------------------------------- the commands
+FAKE = """#!/bin/sh
+# records how it was called
+printf '%s\\n' "$(basename "$0")" "$@" > "$FAKE_LOG"
+"""
+
+
+def _run_command(container, tmp_path, env_extra):
+    """Run a rendered container command with fake python/mpirun; return their argv."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    for name in ("python", "mpirun"):
+        p = bindir / name
+        p.write_text(FAKE)
+        p.chmod(p.stat().st_mode | stat.S_IXUSR)
+    log = tmp_path / "argv"
+    env = {"PATH": f"{bindir}:/usr/bin:/bin", "FAKE_LOG": str(log)}
+    for e in container.get("env", []):
+        env[e["name"]] = e["value"]
+    env.update(env_extra)
+    cmd = container["command"] + container["args"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return log.read_text().splitlines()
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_rendered_command_runs_the_script(kubectl, overlay, tmp_path):
+    if not os.path.exists("/bin/sh"):
+        pytest.skip("needs /bin/sh")
+    _, docs = render(kubectl, K8S / overlay)
+    params = params_of(docs)
+    kind = docs_kind(docs)
+    script = params["SCRIPT"]
+    tail = ["--data-dir", params["DATASET_DIR"],
+            "--out", params["OUTPUT_DIR"] + "/" + Path(script).stem] + params["ARGS"].split()
+    if kind == "MPIJob":
+        job = one(docs, "MPIJob")["spec"]["mpiReplicaSpecs"]
+        workers = job["Worker"]["replicas"]
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text("".join(f"hw4-mpijob-worker-{i}.hw4-mpijob slots=1\n"
+                                    for i in range(workers)))
+        argv = _run_command(job["Launcher"]["template"]["spec"]["containers"][0], tmp_path,
+                            {"OMPI_MCA_orte_default_hostfile": str(hostfile)})
+        assert argv[0] == "mpirun"
+        assert argv[argv.index("-np") + 1] == str(workers)
+        assert argv[argv.index("python") + 1:] == [script] + tail
+    else:
+        for role, spec in training_specs(docs):
+            argv = _run_command(spec["containers"][0], tmp_path, {})
+            assert argv == ["python", script] + tail, role
+
+
+# --------------------------------------------------------------------------- parameters
+def _set(path, pattern, value, count=1):
+    """Edit a parameter the way k8s/README.md says: change its value in params.yaml."""
+    text = path.read_text()
+    new, n = re.subn(pattern, lambda m: m.group(1) + value, text, flags=re.M)
+    assert n == count, f"{path.name}: {pattern!r} matched {n} times, expected {count}"
+    path.write_text(new)
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_a_parameter_set_once_lands_everywhere(kubectl, overlay, tmp_path):
+    kind, storage = OVERLAYS[overlay]
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree)
+    params_file = tree / overlay / "params.yaml"
+    new = {
+        "IMAGE": "registry.example.org/me/ie534-hw4:v7",
+        "SCRIPT": "resnet_tinyimagenet.py",
+        "ARGS": "--epochs 3 --batch-size 64",
+        "DATASET_DIR": "/mnt/in",
+        "OUTPUT_DIR": "/mnt/out",
+        "NFS_SERVER": "10.1.2.3",
+        "NFS_PATH": "/export/alice",
+        "PVC_NAME": "alice-rwx",
+        "PVC_PATH": "hw4/alice",
+    }
+    for name in COMMON_PARAMS + STORAGE_PARAMS[storage]:
+        _set(params_file, rf"^([ \t]+{name}:[ \t]*).*?(?=[ \t]+#|$)", f'"{new[name]}"')
+    _set(params_file, r"^([ \t]+runAsUser:[ \t]*)\d+", "4242")
+    _set(params_file, r"^([ \t]+runAsGroup:[ \t]*)\d+", "4343")
+    _set(params_file, r"^([ \t]+fsGroup:[ \t]*)\d+", "4444")
+    workers = 5
+    if kind != "Pod":
+        replicas = workers if kind == "MPIJob" else workers - 1
+        _set(params_file, r"^([ \t]+replicas:[ \t]*)\d+", str(replicas))
+
+    text, docs = render(kubectl, tree / overlay)
+    params = params_of(docs)
+    for name in COMMON_PARAMS + STORAGE_PARAMS[storage]:
+        assert params[name] == new[name]
+    for role, spec in pod_specs(docs):
+        sc = spec["securityContext"]
+        assert (sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"]) == (4242, 4343, 4444), role
+        for c in spec["containers"]:
+            assert c["image"] == new["IMAGE"], role
+        if kind == "MPIJob" and role == "Launcher":
+            continue
+        shared = [v for v in spec["volumes"] if v["name"] == "shared"][0]
+        if storage == "nfs":
+            assert shared["nfs"] == {"server": new["NFS_SERVER"], "path": new["NFS_PATH"]}
+        else:
+            assert shared["persistentVolumeClaim"]["claimName"] == new["PVC_NAME"]
+        mounts = {m["mountPath"]: m["subPath"]
+                  for m in spec["containers"][0]["volumeMounts"] if m["name"] == "shared"}
+        prefix = "" if storage == "nfs" else new["PVC_PATH"] + "/"
+        assert mounts == {new["DATASET_DIR"]: prefix + "data",
+                          new["OUTPUT_DIR"]: prefix + "output"}, role
+    for role, spec in training_specs(docs):
+        c = spec["containers"][0]
+        text = command_text(c)
+        assert f"script='{new['SCRIPT']}'" in text, role
+        assert new["ARGS"] in text, role
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["DATASET_DIR"] == new["DATASET_DIR"]
+        assert env["OUTPUT_DIR"] == new["OUTPUT_DIR"]
+    if kind == "MPIJob":
+        rs = one(docs, "MPIJob")["spec"]["mpiReplicaSpecs"]
+        assert rs["Worker"]["replicas"] == workers
+        assert rs["Launcher"]["replicas"] == 1
+    elif kind == "PyTorchJob":
+        rs = one(docs, "PyTorchJob")["spec"]["pytorchReplicaSpecs"]
+        assert rs["Master"]["replicas"] + rs["Worker"]["replicas"] == workers
+    # The edited overlay still renders valid objects.
+    version = kubernetes_validate.utils.latest_version()
+    for d in docs:
+        if not d["apiVersion"].startswith("kubeflow.org/"):
+            kubernetes_validate.validate(d, version, strict=True)
+
+
+def test_scripts_named_in_the_package_exist():
+    """Every SCRIPT value in the params files and the README is a script at the root."""
+    texts = [(K8S / "README.md").read_text()]
+    texts += [p.read_text() for p in K8S.rglob("params.yaml")]
+    named = set()
+    for text in texts:
+        named.update(re.findall(r"\bSCRIPT:[ \t]*['\"]?([\w./-]+\.py)", text))
+    assert named, "no SCRIPT values found"
+    for script in sorted(named):
+        assert script in SCRIPTS, f"SCRIPT: {script} is not one of the HW4 scripts"
+        assert (REPO / script).is_file(), f"SCRIPT: {script} does not exist at the repo root"
