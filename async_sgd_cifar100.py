@@ -18,6 +18,7 @@ and releases everyone.  The server evaluates the test set once per epoch-equival
 updates (training-set size / batch size), so the curve has a point per epoch.
 """
 import math
+import signal
 import time
 
 import torch
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from common import cli, data, distributed, engine
 from common.checkpoint import unwrap
-from common.errors import UserError
+from common.errors import Interrupted, NonFiniteLoss, PeerLost, UserError
 from common.model import HW4ResNet
 
 SCRIPT = "async_sgd_cifar100"
@@ -33,8 +34,10 @@ ARCH = "hw4-resnet"
 TARGET = 60.0  # the homework's test-accuracy target, %
 
 # A worker's message: [kind, samples, correct, loss sum | gradients | BatchNorm buffers].
-GRADIENT, DONE = 0.0, 1.0
+GRADIENT, DONE, STOPPING = 0.0, 1.0, 2.0
 HEADER = 4
+# The server's reply: [status | parameters]; status 0 = go on, else the exit status to stop with.
+CONTINUE = 0.0
 
 
 class Layout:
@@ -46,6 +49,7 @@ class Layout:
         self.n_params = sum(p.numel() for p in self.params)
         self.n_buffers = sum(b.numel() for b in self.buffers)
         self.message_size = HEADER + self.n_params + self.n_buffers
+        self.reply_size = 1 + self.n_params
 
     def flat_params(self):
         return torch.cat([p.detach().reshape(-1) for p in self.params]).cpu()
@@ -70,39 +74,65 @@ class Layout:
             b.copy_(v.view_as(b))
 
 
+def stop_error(status, rank):
+    """The exception a worker stops with when the server's reply says stop."""
+    if status >= 128:
+        return Interrupted(f"worker {rank}: stopped by the parameter server (signal); its "
+                           "checkpoint is written; run the same command to resume", status - 128)
+    return NonFiniteLoss(f"worker {rank}: stopped by the parameter server (non-finite loss)")
+
+
 # ----------------------------------------------------------------------------- worker
 
 def work(model, loader, args, run, start_epoch):
     """Compute gradients on this worker's shard; exchange each with the server."""
     layout = Layout(model)
     message = torch.zeros(layout.message_size)
-    params = torch.zeros(layout.n_params)
+    reply = torch.zeros(layout.reply_size)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     sent = 0
-    for epoch in range(start_epoch, args.epochs):
-        loader.set_epoch(epoch)
-        torch.manual_seed(engine.epoch_seed(args.seed, epoch, run.rank))
-        model.train()
-        for images, labels in loader:
-            with engine.autocast(run):
-                output = model(images)
-                loss = criterion(output, labels)
-            model.zero_grad(set_to_none=True)
-            loss.backward()
-            message[:HEADER] = torch.tensor([GRADIENT, labels.numel(),
-                                             (output.argmax(1) == labels).sum().item(),
-                                             loss.item() * labels.numel()])
-            layout.pack_gradient(message)
-            reply = dist.irecv(params, src=0)
-            dist.isend(message, dst=0).wait()
-            reply.wait()
-            layout.load_params(params)
-            sent += 1
-            if args.straggler_delay and run.rank == 1:
-                time.sleep(args.straggler_delay)
-    message[:HEADER] = torch.tensor([DONE, sent, 0, 0])
-    dist.isend(message, dst=0).wait()
-    dist.barrier()  # released by the server once its outputs are written
+    try:
+        for epoch in range(start_epoch, args.epochs):
+            loader.set_epoch(epoch)
+            torch.manual_seed(engine.epoch_seed(args.seed, epoch, run.rank))
+            model.train()
+            for images, labels in loader:
+                with engine.autocast(run):
+                    output = model(images)
+                    loss = criterion(output, labels)
+                model.zero_grad(set_to_none=True)
+                loss.backward()
+                message[:HEADER] = torch.tensor([GRADIENT, labels.numel(),
+                                                 (output.argmax(1) == labels).sum().item(),
+                                                 loss.item() * labels.numel()])
+                layout.pack_gradient(message)
+                answer = dist.irecv(reply, src=0)
+                dist.isend(message, dst=0).wait()
+                answer.wait()
+                sent += 1
+                if reply[0].item() != CONTINUE:
+                    raise stop_error(int(reply[0].item()), run.rank)
+                layout.load_params(reply[1:])
+                if run.stop.signum:  # this worker was asked to stop: tell the server
+                    message[0] = STOPPING
+                    dist.isend(message, dst=0).wait()
+                    raise Interrupted(f"worker {run.rank}: stopped by {run.stop.name}; the "
+                                      "server writes the checkpoint", run.stop.signum)
+                if args.straggler_delay and run.rank == 1:
+                    time.sleep(args.straggler_delay)
+        message[:HEADER] = torch.tensor([DONE, sent, 0, 0])
+        dist.isend(message, dst=0).wait()
+    except RuntimeError as exc:
+        if not distributed.is_peer_failure(exc):
+            raise
+        raise PeerLost(f"worker {run.rank} lost the parameter server "
+                       f"({str(exc).splitlines()[0][-160:]})") from None
+    try:
+        dist.recv(torch.zeros(1), src=0)  # released once the server's outputs are written
+    except RuntimeError as exc:  # this worker's part is done either way
+        print(f"worker {run.rank}: done, but the server did not release it "
+              f"({str(exc).splitlines()[0][-100:]})", flush=True)
+    return sent
 
 
 # ----------------------------------------------------------------------------- server
@@ -111,14 +141,15 @@ class Server:
     """Applies gradients as they arrive, tracks staleness, evaluates once per epoch-equivalent."""
 
     def __init__(self, trainer, n_workers, updates_per_epoch):
-        self.trainer, self.n_workers = trainer, n_workers
+        self.trainer, self.run = trainer, trainer.run
         self.updates_per_epoch = updates_per_epoch
         self.layout = Layout(unwrap(trainer.model))
-        self.reply = {w: torch.zeros(self.layout.n_params) for w in range(1, n_workers + 1)}
+        self.workers = list(range(1, n_workers + 1))
+        self.reply = {w: torch.zeros(self.layout.reply_size) for w in self.workers}
         self.pending = {}
         self.version = trainer.start_epoch * updates_per_epoch  # updates applied so far
-        self.sent_version = {w: self.version for w in self.reply}
-        self.applied = {w: 0 for w in self.reply}
+        self.sent_version = {w: self.version for w in self.workers}
+        self.applied = {w: 0 for w in self.workers}
         self._new_epoch()
 
     def _new_epoch(self):
@@ -129,27 +160,50 @@ class Server:
         self.started = time.perf_counter()
 
     def serve(self):
+        """Serve until every worker is done, stopped, or silent for --timeout seconds."""
         message = torch.zeros(self.layout.message_size)
-        done = {}
-        while len(done) < self.n_workers:
-            worker = dist.recv(message)  # from whichever worker sends first
+        active, finished, failure = set(self.workers), {}, None
+        while active:
+            try:
+                worker = dist.recv(message)  # from whichever worker sends first
+            except RuntimeError as exc:
+                if not distributed.is_peer_failure(exc):
+                    raise
+                failure = PeerLost(
+                    f"the parameter server received nothing for {self.trainer.args.timeout:g} s "
+                    f"while worker(s) {sorted(active)} had not finished: a worker died or hangs; "
+                    f"it wrote its outputs ({self.version} updates) to {self.run.out}")
+                break
             begin = time.perf_counter()
-            if message[0].item() == DONE:
-                done[worker] = int(message[1].item())
+            kind = message[0].item()
+            if kind == DONE:
+                finished[worker] = int(message[1].item())
+                active.discard(worker)
+                continue
+            failure = failure or self.check(kind, message)
+            if failure is not None:  # stop: this gradient is not applied
+                active.discard(worker)
+                if kind == GRADIENT:
+                    self.send(worker, failure.exit_code)
                 continue
             self.apply(worker, message)
-            self.send_parameters(worker)
+            self.send(worker, CONTINUE)
             self.busy += time.perf_counter() - begin
             if self.version % self.updates_per_epoch == 0:
                 self.end_epoch()
-        for request in self.pending.values():
-            request.wait()
-        for worker, sent in done.items():
-            self.trainer.run.log(f"worker {worker}: {sent} gradients sent, "
-                                 f"{self.applied[worker]} applied")
-        if self.staleness:  # updates after the last full epoch-equivalent
-            self.end_epoch()
-        return done
+        self.finish(finished, failure)
+
+    def check(self, kind, message):
+        """The reason to stop everyone, if there is one."""
+        if kind == STOPPING or self.run.stop.signum:
+            signum = self.run.stop.signum or signal.SIGTERM
+            return Interrupted(f"stopped by {signal.Signals(signum).name} after {self.version} "
+                               f"updates: checkpoint written to {self.trainer.path}; run the same "
+                               "command to resume", signum)
+        if not math.isfinite(message[3].item()):
+            return NonFiniteLoss(f"loss became non-finite after {self.version} updates; the last "
+                                 f"good checkpoint in {self.run.out} is kept; lower --lr")
+        return None
 
     def apply(self, worker, message):
         trainer = self.trainer
@@ -167,15 +221,32 @@ class Server:
         self.totals = [self.totals[0] + loss_sum, self.totals[1] + correct,
                        self.totals[2] + samples]
 
-    def send_parameters(self, worker):
+    def send(self, worker, status):
         if worker in self.pending:
             self.pending[worker].wait()  # the previous reply to it has left the buffer
-        self.reply[worker].copy_(self.layout.flat_params())
+        self.reply[worker][0] = status
+        self.reply[worker][1:] = self.layout.flat_params()
         self.pending[worker] = dist.isend(self.reply[worker], dst=worker)
         self.sent_version[worker] = self.version
 
+    def finish(self, finished, failure):
+        for request in self.pending.values():
+            request.wait()
+        for worker, sent in sorted(finished.items()):
+            self.run.log(f"worker {worker}: {sent} gradients sent, {self.applied[worker]} applied")
+        if self.staleness and not isinstance(failure, (Interrupted, NonFiniteLoss)):
+            self.end_epoch()  # updates after the last full epoch-equivalent
+        if isinstance(failure, Interrupted):
+            self.trainer.save(self.version // self.updates_per_epoch,
+                              extra={"updates": self.version})
+        if not isinstance(failure, PeerLost):  # after a timeout gloo has closed every pair
+            for worker in finished:
+                dist.send(torch.zeros(1), dst=worker)  # release it
+        if failure is not None:
+            raise failure
+
     def end_epoch(self):
-        trainer, run = self.trainer, self.trainer.run
+        trainer, run = self.trainer, self.run
         seconds = time.perf_counter() - self.started
         test_loss, test_acc = engine.evaluate(trainer.model, trainer.test_loader, run)
         loss_sum, correct, samples = self.totals
@@ -252,7 +323,6 @@ def main(argv=None):
             Server(trainer, n_workers, updates_per_epoch).serve()
             if trainer.rows:
                 run.log(f"final test accuracy: {trainer.rows[-1]['test_acc']:.2f}%")
-            dist.barrier()  # release the workers
         else:
             work(model, train_loader, args, run, trainer.start_epoch)
     finally:

@@ -106,13 +106,13 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     launch = distributed.detect_launch()
-    run = cli.setup_run(args, SCRIPT, launch.rank, launch.world_size, launch.local_rank)
-    comm = distributed.init_distributed(args, run.device, launch)
-    world = comm.world_size
+    world = launch.world_size
     if args.batch_size < world:
         raise UserError(f"--batch-size {args.batch_size} is smaller than the {world} ranks; "
                         f"use at least {world} (strong scaling: it is the global batch)")
     per_rank = args.batch_size // world
+    run = cli.setup_run(args, SCRIPT, launch.rank, world, launch.local_rank)
+    comm = distributed.init_distributed(args, run.device, launch)
 
     spec = data.SPECS["cifar100"]
     train_set, test_set = data.load_datasets("cifar100", args)

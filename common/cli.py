@@ -3,12 +3,13 @@ import argparse
 import os
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .errors import UserError
+from .errors import Interrupted, NonFiniteLoss, PeerLost, UserError
+from .stopping import StopRequest
 
 
 def positive_int(text):
@@ -25,10 +26,16 @@ def non_negative_float(text):
     return value
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (and exit status 2), not a usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
+
+
 def make_parser(description, script, **defaults):
     """The flags every script has; `defaults` sets the script's own recipe."""
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d = p.add_argument_group("data")
     d.add_argument("--data-dir", default="./data", help="folder holding the data set")
     d.add_argument("--download", action="store_true", help="download the data set into --data-dir")
@@ -75,6 +82,7 @@ class Run:
     amp: bool
     rank: int = 0
     world_size: int = 1
+    stop: StopRequest = field(default_factory=StopRequest)
 
     @property
     def is_main(self):
@@ -126,14 +134,20 @@ def setup_run(args, script, rank=0, world_size=1, local_rank=0):
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    return Run(script, args.out, device, amp, rank, world_size)
+    run = Run(script, args.out, device, amp, rank, world_size)
+    run.stop.install()  # from here on, SIGTERM/SIGINT ask the training loop to stop cleanly
+    return run
 
 
 def run_main(main):
-    """Call `main()`; a UserError becomes one line on stderr and exit status 2."""
+    """Call `main()`; an expected failure becomes one line on stderr and its exit status.
+
+    Exit statuses: 2 bad input, 3 non-finite loss, 4 a rank was lost (permanent, see
+    errors.py), 128 + signal after SIGTERM/SIGINT (retryable: the same command resumes).
+    """
     try:
         code = main()
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        code = 2
+    except (UserError, NonFiniteLoss, PeerLost, Interrupted) as exc:
+        print(f"error: {exc}" if exc.exit_code < 128 else str(exc), file=sys.stderr, flush=True)
+        code = exc.exit_code
     sys.exit(code or 0)

@@ -278,15 +278,21 @@ class DeviceLoader:
         return torch.arange(self.rank, len(self.labels), self.world_size)
 
     def __iter__(self):
+        return self.batches()
+
+    def batches(self, start=0):
+        """The epoch's batches from batch number `start` on (a resumed epoch skips the rest).
+
+        Each batch's augmentation is drawn from a generator seeded by (seed, epoch, rank,
+        batch number), so batch k is the same whether or not the epoch was interrupted.
+        """
         order = self.indices().to(self.device)
-        gen = None
-        if self.augment:
-            gen = torch.Generator(self.device)
-            gen.manual_seed((self.seed * 1_000_003 + self.epoch * 1009 + self.rank) % 2**63)
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start:start + self.batch_size]
+        gen = torch.Generator(self.device) if self.augment else None
+        for k in range(start, len(self)):
+            idx = order[k * self.batch_size:(k + 1) * self.batch_size]
             x = self.images[idx]
             if self.augment:
+                gen.manual_seed(hash((self.seed, self.epoch, self.rank, k)) % 2**63)
                 x = random_crop_flip(x, self.pad, gen)
             yield self.finish(x), self.labels[idx]
 

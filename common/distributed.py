@@ -102,6 +102,15 @@ def free_port():
         return s.getsockname()[1]
 
 
+def is_peer_failure(exc):
+    """Did a collective fail because another rank died or stopped answering?"""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return any(marker in text for marker in (
+        "gloo", "Connection reset", "Connection closed", "Timed out", "NCCL", "timed out"))
+
+
 def resolve_backend(name, device):
     """nccl on CUDA, gloo on CPU; mpi only where this torch was built with it."""
     if name == "auto":
@@ -125,6 +134,11 @@ class Comm:
     def all_reduce_sum(self, tensor):
         if self.world_size > 1:
             dist.all_reduce(tensor)
+        return tensor
+
+    def all_reduce_max(self, tensor):
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 
     def broadcast_object(self, obj, src=0):

@@ -14,13 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint, outputs
-from .errors import UserError
+from .distributed import is_peer_failure
+from .errors import Interrupted, NonFiniteLoss, PeerLost, UserError
 
 LOG_EVERY = 50  # steps between progress updates / non-finite checks (each costs a device sync)
-
-
-class NonFiniteLoss(UserError):
-    pass
 
 
 def make_optimizer(model, args):
@@ -60,25 +57,29 @@ def prepare_model(model, run):
     return model
 
 
-def _progress(loader, desc, run):
+def _progress(batches, desc, run, total, initial=0):
+    """tqdm on a terminal; in batch logs (not a tty) only the per-epoch lines."""
     if not (run.is_main and sys.stderr.isatty()):
-        return loader
+        return batches
     from tqdm import tqdm
-    return tqdm(loader, desc=desc, leave=False, dynamic_ncols=True)
+    return tqdm(batches, desc=desc, total=total, initial=initial, leave=False, dynamic_ncols=True)
 
 
-def train_one_epoch(model, loader, criterion, step, run, desc="train"):
-    """One pass over this rank's shard; `step()` applies the gradients after backward.
+def train_one_epoch(model, loader, criterion, step, run, desc="train", start=0, stop=None):
+    """One pass over this rank's shard, from batch `start`; `step()` applies the gradients.
 
-    Returns this rank's (loss sum, correct, count).  Loss and accuracy are accumulated on the
-    device and read every LOG_EVERY steps only, so the GPU never waits for the host.
+    Returns this rank's (loss sum, correct, count, batches done).  Loss and accuracy are
+    accumulated on the device and read every LOG_EVERY steps only, so the GPU never waits for
+    the host.  `stop(k)`, asked after each batch k, ends the pass early when it says so.
     """
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     correct = torch.zeros((), dtype=torch.int64, device=run.device)
-    count = 0
-    bar = _progress(loader, desc, run)
-    for i, (images, labels) in enumerate(bar):
+    first_bad = torch.full((), -1, dtype=torch.int64, device=run.device)  # no sync per step
+    count, done = 0, start
+    batches = loader.batches(start) if hasattr(loader, "batches") else loader
+    bar = _progress(batches, desc, run, total=len(loader), initial=start)
+    for k, (images, labels) in enumerate(bar, start):
         with autocast(run):
             output = model(images)
             loss = criterion(output, labels)
@@ -88,16 +89,19 @@ def train_one_epoch(model, loader, criterion, step, run, desc="train"):
         loss_sum += loss.detach().double() * labels.numel()
         correct += (output.detach().argmax(1) == labels).sum()
         count += labels.numel()
-        if (i + 1) % LOG_EVERY == 0 or i + 1 == len(loader):
-            value = loss.item()
-            if not math.isfinite(value):
-                raise NonFiniteLoss(f"loss became {value} at {desc}, step {i + 1}; "
-                                    f"the last good checkpoint in {run.out} is kept; "
-                                    "lower --lr or try --no-amp")
-            if bar is not loader:
+        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()), k + 1, first_bad)
+        done = k + 1
+        if done % LOG_EVERY == 0 or done == len(loader):
+            bad = first_bad.item()
+            if bad >= 0:
+                raise NonFiniteLoss(f"loss became non-finite at {desc}, step {bad}; the last good "
+                                    f"checkpoint in {run.out} is kept; lower --lr or try --no-amp")
+            if bar is not batches:
                 bar.set_postfix(loss=f"{loss_sum.item() / count:.3f}",
                                 acc=f"{100.0 * correct.item() / count:.1f}%")
-    return loss_sum.item(), correct.item(), count
+        if stop is not None and done < len(loader) and stop(done):
+            break
+    return loss_sum.item(), correct.item(), count, done
 
 
 @torch.no_grad()
@@ -146,9 +150,10 @@ class Trainer:
     """Trains `model` for `args.epochs`, evaluating, logging and checkpointing every epoch.
 
     A checkpoint in `run.out` is resumed (unless `--fresh`): model, optimizer, LR schedule,
-    epoch and the metrics so far.  Because the shuffling, augmentation and dropout streams of
-    every epoch are derived from (seed, epoch, rank), a resumed run continues exactly as an
-    uninterrupted one would.
+    epoch and the metrics so far.  The shuffling, augmentation and dropout streams of an epoch
+    are derived from (seed, epoch, rank), so a run killed during epoch k and started again
+    redoes epoch k exactly as an uninterrupted run would.  SIGTERM / SIGINT finish the current
+    step and write a mid-epoch checkpoint; the next run continues from that step.
     """
 
     def __init__(self, model, train_loader, test_loader, args, run, *, arch, target=None,
@@ -161,6 +166,7 @@ class Trainer:
                                         steps_per_epoch or len(train_loader))
         self.criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
         self.rows, self.start_epoch, self.extra = [], 0, {}
+        self.partial = None  # progress inside an interrupted epoch
         self.path = os.path.join(run.out, "checkpoint.pt")
 
     # -- state -------------------------------------------------------------------------
@@ -186,7 +192,10 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.rows, self.start_epoch = state["rows"], state["epoch"]
         self.extra = state.get("extra") or {}
-        self.run.log(f"resumed from {self.path} after epoch {self.start_epoch}")
+        self.partial = self.extra.get("partial")
+        where = f"epoch {self.start_epoch}" + (
+            f" and step {self.partial['step']} of epoch {self.start_epoch + 1}" if self.partial else "")
+        self.run.log(f"resumed from {self.path} after {where}")
         return True
 
     def save(self, epoch, extra=None):
@@ -196,7 +205,15 @@ class Trainer:
                         optimizer=self.optimizer, scheduler=self.scheduler, epoch=epoch,
                         rows=self.rows, args=vars(self.args), extra=extra)
         outputs.write_metrics(self.run.out, self.rows)
-        outputs.plot_curve(self.run.out, self.rows, self.run.script, self.target)
+        if self.rows:
+            outputs.plot_curve(self.run.out, self.rows, self.run.script, self.target)
+
+    def write_config(self, **extra):
+        if self.run.is_main:
+            outputs.write_config(self.run.out, self.args, self.run.device, script=self.run.script,
+                                 arch=self.arch, world_size=self.run.world_size,
+                                 precision="bf16+channels_last" if self.run.amp else "fp32",
+                                 resumed_after_epoch=self.start_epoch, **extra)
 
     # -- loop --------------------------------------------------------------------------
     def step(self):
@@ -208,33 +225,43 @@ class Trainer:
     def reduce(self, totals):
         return self.comm.all_reduce_sum(totals) if self.comm is not None else totals
 
+    def should_stop(self, step):
+        """Has any rank been asked to stop?  All ranks agree, so they stop at the same step."""
+        if self.comm is None or self.comm.world_size == 1:
+            return self.run.stop.signum is not None
+        if step % 10:  # an agreement costs a tiny all_reduce: every 10 steps is prompt enough
+            return False
+        flag = torch.tensor([self.run.stop.signum or 0], device=self.run.device)
+        return self.comm.all_reduce_max(flag).item() > 0
+
     def train_epoch(self, epoch):
+        """Train one epoch (or its remainder) and evaluate; None if stopped by a signal."""
+        partial = self.partial or {"step": 0, "totals": [0.0, 0.0, 0.0], "seconds": 0.0}
+        self.partial = None
         self.train_loader.set_epoch(epoch)
-        torch.manual_seed(epoch_seed(self.args.seed, epoch, self.run.rank))
-        lr = self.optimizer.param_groups[0]["lr"]
+        torch.manual_seed(epoch_seed(self.args.seed, epoch, self.run.rank) + partial["step"])
+        lr = partial.get("lr", self.optimizer.param_groups[0]["lr"])
         start = time.perf_counter()
-        loss_sum, correct, count = train_one_epoch(
+        loss_sum, correct, count, done = train_one_epoch(
             self.model, self.train_loader, self.criterion, self.step, self.run,
-            desc=f"epoch {epoch + 1}")
-        train_seconds = time.perf_counter() - start
+            desc=f"epoch {epoch + 1}", start=partial["step"], stop=self.should_stop)
+        train_seconds = partial["seconds"] + time.perf_counter() - start
         totals = self.reduce(torch.tensor([loss_sum, correct, count], dtype=torch.float64,
                                           device=self.run.device)).tolist()
+        totals = [a + b for a, b in zip(totals, partial["totals"])]
+        if done < len(self.train_loader):
+            self.save(epoch, extra={"partial": {"step": done, "totals": totals, "lr": lr,
+                                                "seconds": train_seconds}})
+            return None
         if self.comm is not None:
             self.comm.average_buffers(self.model)
         test_loss, test_acc = evaluate(self.model, self.test_loader, self.run, self.reduce)
-        seconds = time.perf_counter() - start
+        seconds = partial["seconds"] + time.perf_counter() - start  # training + evaluation
         elapsed = (self.rows[-1]["elapsed_seconds"] if self.rows else 0.0) + seconds
         return {"epoch": epoch + 1, "train_loss": totals[0] / totals[2],
                 "train_acc": 100.0 * totals[1] / totals[2], "test_loss": test_loss,
                 "test_acc": test_acc, "lr": lr, "epoch_seconds": seconds,
                 "elapsed_seconds": elapsed, "images_per_s": totals[2] / train_seconds}
-
-    def write_config(self, **extra):
-        if self.run.is_main:
-            outputs.write_config(self.run.out, self.args, self.run.device, script=self.run.script,
-                                 arch=self.arch, world_size=self.run.world_size,
-                                 precision="bf16+channels_last" if self.run.amp else "fp32",
-                                 resumed_after_epoch=self.start_epoch, **extra)
 
     def fit(self):
         self.resume()
@@ -242,11 +269,24 @@ class Trainer:
         if self.start_epoch >= self.args.epochs and self.rows:
             self.run.log(f"{self.path} already holds {self.start_epoch} epochs "
                          f"(--epochs {self.args.epochs}); nothing to train")
-        for epoch in range(self.start_epoch, self.args.epochs):
-            row = self.train_epoch(epoch)
-            self.rows.append(row)
-            self.run.log(epoch_line(row, self.args.epochs))
-            self.save(epoch + 1)
+        try:
+            for epoch in range(self.start_epoch, self.args.epochs):
+                row = self.train_epoch(epoch)
+                if row is None:
+                    raise Interrupted(
+                        f"stopped by {self.run.stop.name} during epoch {epoch + 1}: "
+                        f"checkpoint written to {self.path}; run the same command to resume",
+                        self.run.stop.signum)
+                self.rows.append(row)
+                self.run.log(epoch_line(row, self.args.epochs))
+                self.save(epoch + 1)
+        except RuntimeError as exc:
+            if self.comm is None or self.comm.world_size == 1 or not is_peer_failure(exc):
+                raise
+            kept = f"epoch {len(self.rows)}" if self.rows else "none yet"
+            raise PeerLost(f"rank {self.run.rank} lost contact with another rank "
+                           f"({str(exc).splitlines()[0][-160:]}); the last good checkpoint "
+                           f"({kept}) is kept in {self.run.out}; restart the job to resume") from None
         if self.rows:
             self.run.log(f"final test accuracy: {self.rows[-1]['test_acc']:.2f}%")
         return self.rows
