@@ -27,11 +27,10 @@ import torch.distributed as dist
 from common import cli, data, distributed, engine
 from common.checkpoint import unwrap
 from common.errors import Interrupted, NonFiniteLoss, PeerLost, UserError
-from common.model import HW4ResNet
+from common.model import build_model
 
 SCRIPT = "async_sgd_cifar100"
-ARCH = "hw4-resnet"
-TARGET = 60.0  # the homework's test-accuracy target, %
+TARGET = 60.0  # the homework's test-accuracy target, % (on cifar100)
 
 # A worker's message: [kind, samples, correct, loss sum | gradients | BatchNorm buffers].
 GRADIENT, DONE, STOPPING = 0.0, 1.0, 2.0
@@ -272,8 +271,7 @@ class Server:
 
 def parse_args(argv=None):
     parser = cli.make_parser(__doc__, SCRIPT, epochs=40, batch_size=128, lr=0.05)
-    parser.add_argument("--dropout", type=float, default=0.1,
-                        help="dropout probability after conv1 (Figure 1)")
+    cli.add_workload_args(parser, dataset="cifar100", arch="hw4")
     distributed.add_distributed_args(parser)
     g = parser.add_argument_group("async SGD")
     g.add_argument("--staleness-lr", action="store_true",
@@ -297,26 +295,28 @@ def main(argv=None):
     comm = distributed.init_distributed(args, run.device, launch,
                                         backend=distributed.resolve_backend(args.backend, run.device))
     n_workers = comm.world_size - 1
-    spec = data.SPECS["cifar100"]
-    train_set, test_set = data.load_datasets("cifar100", args)
+    train_set, test_set = data.load_datasets(args.dataset, args)
     # Workers shard the training set among themselves; the server alone evaluates.
-    norm = dict(mean=spec.mean, std=spec.std)
+    mean, std = data.normalization(args.dataset)
+    common = dict(mean=mean, std=std, image_size=args.image_size)
     if comm.rank == 0:
-        train_loader, test_loader = None, data.test_loader(test_set, args, run, **norm)
+        train_loader, test_loader = None, data.test_loader(test_set, args, run, **common)
     else:
         train_loader, test_loader = data.train_loader(
-            train_set, args, run, rank=comm.rank - 1, world_size=n_workers, **norm), None
-    shard = math.ceil(len(train_set) / n_workers)  # DistributedSampler's samples per shard
-    updates_per_epoch = math.ceil(shard / args.batch_size) * n_workers
+            train_set, args, run, rank=comm.rank - 1, world_size=n_workers, **common), None
+    per_worker = math.ceil(len(train_set) / n_workers)  # DistributedSampler's shard size
+    updates_per_epoch = math.ceil(per_worker / args.batch_size) * n_workers
 
-    model = engine.prepare_model(HW4ResNet(spec.num_classes, dropout=args.dropout), run)
-    trainer = engine.Trainer(model, None, test_loader, args, run, arch=ARCH, target=TARGET,
+    model = build_model(args.arch, len(train_set.classes), args.dropout)
+    model = engine.prepare_model(model, run)
+    trainer = engine.Trainer(model, None, test_loader, args, run, arch=args.arch,
+                             target=TARGET if args.dataset == "cifar100" else None,
                              comm=comm, steps_per_epoch=updates_per_epoch)
     try:
         trainer.resume()
         comm.broadcast_parameters(model)  # every worker starts from the server's weights
         if comm.rank == 0:
-            engine.describe(run, ARCH, model, train_set, test_set,
+            engine.describe(run, args, model, train_set, test_set,
                             f"1 server + {n_workers} workers x batch {args.batch_size}, "
                             f"{updates_per_epoch} updates per epoch")
             trainer.write_config(updates_per_epoch=updates_per_epoch)

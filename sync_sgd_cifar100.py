@@ -18,11 +18,10 @@ import torch.distributed as dist
 
 from common import cli, data, distributed, engine
 from common.errors import UserError
-from common.model import HW4ResNet
+from common.model import build_model
 
 SCRIPT = "sync_sgd_cifar100"
-ARCH = "hw4-resnet"
-TARGET = 60.0  # the homework's test-accuracy target, %
+TARGET = 60.0  # the homework's test-accuracy target, % (on cifar100)
 
 
 class BucketedAllReduce:
@@ -91,8 +90,7 @@ class BucketedAllReduce:
 
 def parse_args(argv=None):
     parser = cli.make_parser(__doc__, SCRIPT, epochs=40, batch_size=128, lr=0.1)
-    parser.add_argument("--dropout", type=float, default=0.1,
-                        help="dropout probability after conv1 (Figure 1)")
+    cli.add_workload_args(parser, dataset="cifar100", arch="hw4")
     distributed.add_distributed_args(parser)
     g = parser.add_argument_group("sync SGD")
     g.add_argument("--ddp", action="store_true",
@@ -114,13 +112,14 @@ def main(argv=None):
     run = cli.setup_run(args, SCRIPT, launch.rank, world, launch.local_rank)
     comm = distributed.init_distributed(args, run.device, launch)
 
-    spec = data.SPECS["cifar100"]
-    train_set, test_set = data.load_datasets("cifar100", args)
+    train_set, test_set = data.load_datasets(args.dataset, args)
+    mean, std = data.normalization(args.dataset)
     train_loader, test_loader = data.make_loaders(
-        train_set, test_set, args, run, mean=spec.mean, std=spec.std, batch_size=per_rank,
-        rank=comm.rank, world_size=world)
+        train_set, test_set, args, run, mean=mean, std=std, batch_size=per_rank,
+        rank=comm.rank, world_size=world, image_size=args.image_size)
 
-    model = engine.prepare_model(HW4ResNet(spec.num_classes, dropout=args.dropout), run)
+    model = build_model(args.arch, len(train_set.classes), args.dropout)
+    model = engine.prepare_model(model, run)
     comm.broadcast_parameters(model)
     if args.sync_bn and world > 1:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -131,11 +130,12 @@ def main(argv=None):
     elif world > 1:
         grad_sync = BucketedAllReduce(model, world, args.bucket_mb)
     exchange = "DDP" if args.ddp else f"bucketed all_reduce ({args.bucket_mb:g} MB buckets)"
-    engine.describe(run, ARCH, model, train_set, test_set,
+    engine.describe(run, args, model, train_set, test_set,
                     f"{world} ranks x batch {per_rank} = global batch {per_rank * world}, "
                     f"gradients averaged by {exchange}")
-    trainer = engine.Trainer(model, train_loader, test_loader, args, run, arch=ARCH,
-                             target=TARGET, grad_sync=grad_sync, comm=comm)
+    trainer = engine.Trainer(model, train_loader, test_loader, args, run, arch=args.arch,
+                             target=TARGET if args.dataset == "cifar100" else None,
+                             grad_sync=grad_sync, comm=comm)
     try:
         trainer.evaluate_checkpoint() if args.evaluate else trainer.fit()
     finally:

@@ -73,6 +73,25 @@ def make_parser(description, script, **defaults):
     return p
 
 
+def add_workload_args(parser, *, dataset, arch, image_size_help=None):
+    """--dataset, --arch, --image-size, --dropout: what trains on what."""
+    from .data import DATASETS
+    from .model import ARCHS
+    g = parser.add_argument_group("workload")
+    g.add_argument("--dataset", choices=DATASETS, default=dataset,
+                   help="imagefolder: --data-dir holds train/<class>/* and val/<class>/* "
+                        "(the ImageNet layout)")
+    g.add_argument("--arch", choices=ARCHS, default=arch,
+                   help="hw4: the handout's ResNet (Figures 1, 2); resnet18 / resnet50: "
+                        "torchvision's (ResNet-50 v1.5)")
+    g.add_argument("--image-size", type=positive_int, default=None,
+                   help=image_size_help or "side of the training images (imagefolder: the crop, "
+                        "default 224; cifar100/tinyimagenet: resized on the device, default native)")
+    g.add_argument("--dropout", type=float, default=0.1,
+                   help="dropout probability after conv1 (hw4 only, Figure 1)")
+    return g
+
+
 @dataclass
 class Run:
     """Where a process runs and what it may write."""

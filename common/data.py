@@ -58,8 +58,22 @@ SPECS = {
 }
 
 
+DATASETS = ("cifar100", "tinyimagenet", "imagefolder")
+
+
 def load_datasets(name, args):
-    """(train, test) ImageSets of data set `name` as the command line asks."""
+    """(train, test) sets of data set `name` as the command line asks.
+
+    CIFAR-100 and TinyImageNet come as in-memory ImageSets; an `imagefolder` as torchvision
+    ImageFolder datasets read from disk by `imagefolder.FolderLoader`.
+    """
+    if name == "imagefolder":
+        from .imagefolder import read_imagefolder
+        train, test = read_imagefolder(args.data_dir, args.image_size or 224)
+        if args.train_limit or args.test_limit:
+            train.samples, test.samples = train.samples[:args.train_limit], test.samples[:args.test_limit]
+            train.targets, test.targets = train.targets[:args.train_limit], test.targets[:args.test_limit]
+        return train, test
     spec = SPECS[name]
     if args.dummy:
         train = dummy_set(args.train_limit or spec.train_size, spec, seed=args.seed)
@@ -325,18 +339,34 @@ def random_crop_flip(x, pad, gen):
     return x.gather(3, cols.view(b, 1, 1, w).expand(b, c, h, w))
 
 
+def normalization(name, pretrained=False):
+    """(mean, std): the data set's own, or ImageNet's for ImageNet weights and image folders."""
+    if pretrained or name not in SPECS:
+        return IMAGENET_MEAN, IMAGENET_STD
+    return SPECS[name].mean, SPECS[name].std
+
+
+def _loader(data, batch_size, args, run, train, mean, std, rank, world_size, image_size):
+    if isinstance(data, ImageSet):
+        return DeviceLoader(data, batch_size, run.device, train=train, mean=mean, std=std,
+                            rank=rank, world_size=world_size, seed=args.seed,
+                            image_size=image_size, channels_last=run.amp)
+    from .imagefolder import FolderLoader
+    return FolderLoader(data, batch_size, run.device, train=train, mean=mean, std=std,
+                        rank=rank, world_size=world_size, seed=args.seed, workers=args.workers,
+                        channels_last=run.amp)
+
+
 def train_loader(train_set, args, run, *, mean, std, batch_size=None, rank=0, world_size=1,
                  image_size=None):
     """This rank's shard of the training set; `batch_size` is per rank (default --batch-size)."""
-    return DeviceLoader(train_set, batch_size or args.batch_size, run.device, train=True,
-                        mean=mean, std=std, rank=rank, world_size=world_size, seed=args.seed,
-                        image_size=image_size, channels_last=run.amp)
+    return _loader(train_set, batch_size or args.batch_size, args, run, True, mean, std, rank,
+                   world_size, image_size)
 
 
 def test_loader(test_set, args, run, *, mean, std, rank=0, world_size=1, image_size=None):
-    return DeviceLoader(test_set, max(args.batch_size, 256), run.device, train=False,
-                        mean=mean, std=std, rank=rank, world_size=world_size, seed=args.seed,
-                        image_size=image_size, channels_last=run.amp)
+    return _loader(test_set, max(args.batch_size, 256), args, run, False, mean, std, rank,
+                   world_size, image_size)
 
 
 def make_loaders(train_set, test_set, args, run, *, mean, std, batch_size=None,
@@ -345,3 +375,10 @@ def make_loaders(train_set, test_set, args, run, *, mean, std, batch_size=None,
     shard = dict(mean=mean, std=std, rank=rank, world_size=world_size, image_size=image_size)
     return (train_loader(train_set, args, run, batch_size=batch_size, **shard),
             test_loader(test_set, args, run, **shard))
+
+
+def describe(data):
+    """"50,000 images 3x32x32" -- for the log."""
+    if isinstance(data, ImageSet):
+        return f"{len(data):,} images {'x'.join(map(str, data.images.shape[1:]))}"
+    return f"{len(data):,} image files"

@@ -125,13 +125,14 @@ def evaluate(model, loader, run, reduce=None):
     return loss_sum / max(count, 1), 100.0 * correct / max(count, 1)
 
 
-def describe(run, arch, model, train_set, test_set, batch):
-    """The log's opening line: what trains on what, where, and how."""
+def describe(run, args, model, train_set, test_set, batch):
+    """The log's opening line: what trains on what, where, and how (the precision included)."""
+    from .data import describe as sizes
     from .model import count_parameters
     precision = "bf16 autocast + channels_last" if run.amp else "fp32"
-    run.log(f"{run.script}: {arch}, {count_parameters(model):,} parameters | "
-            f"{len(train_set):,} train / {len(test_set):,} test images "
-            f"{tuple(train_set.images.shape[1:])} | {batch} | device {run.device}, {precision}")
+    run.log(f"{run.script}: {args.arch} on {args.dataset}, {count_parameters(model):,} parameters"
+            f" | train {sizes(train_set)}, test {sizes(test_set)} | {batch} | "
+            f"device {run.device}, precision {precision}")
 
 
 def epoch_line(row, epochs):

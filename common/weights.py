@@ -1,4 +1,4 @@
-"""ImageNet weights for torchvision's ResNet-18, from a file or torchvision's weights API.
+"""ImageNet weights for torchvision's ResNets, from a file or torchvision's weights API.
 
 Compute nodes usually have no network, so the handout copies the weights file next to the
 code; `--weights PATH` reads such a file.  Without it, torchvision's weights API downloads
@@ -10,32 +10,38 @@ import torch
 
 from .errors import UserError
 
-WEIGHTS_FILE = "resnet18-f37072fd.pth"  # torchvision's ResNet18_Weights.IMAGENET1K_V1
+NAMES = {"resnet18": "ResNet-18", "resnet50": "ResNet-50"}
 
 
 def hub_checkpoint_dir():
     return os.path.join(torch.hub.get_dir(), "checkpoints")
 
 
-def load_resnet18_state_dict(path=None):
-    """Return an ImageNet ResNet-18 state_dict, from `path` or through torchvision."""
+def imagenet_weights(arch):
+    """torchvision's default ImageNet weights enum for `arch` (ResNet-18: resnet18-f37072fd.pth)."""
+    import torchvision.models as models
+    return {"resnet18": models.ResNet18_Weights, "resnet50": models.ResNet50_Weights}[arch].DEFAULT
+
+
+def load_imagenet_state_dict(arch, path=None):
+    """Return an ImageNet state_dict for `arch`, from `path` or through torchvision."""
     if path is not None:
-        return _read_state_dict(path)
-    from torchvision.models import ResNet18_Weights
-    weights = ResNet18_Weights.IMAGENET1K_V1
+        return _read_state_dict(path, arch)
+    weights = imagenet_weights(arch)
     try:
         return weights.get_state_dict(progress=False, check_hash=True)
     except (OSError, RuntimeError) as exc:  # URLError is an OSError
+        file = os.path.basename(weights.url)
         raise UserError(
-            f"cannot get the ImageNet ResNet-18 weights ({exc.__class__.__name__}: {exc}); "
-            f"offline? copy {WEIGHTS_FILE} (from {weights.url}) into {hub_checkpoint_dir()} "
+            f"cannot get the ImageNet {NAMES[arch]} weights ({exc.__class__.__name__}: {exc}); "
+            f"offline? copy {file} (from {weights.url}) into {hub_checkpoint_dir()} "
             f"or pass --weights PATH") from None
 
 
-def _read_state_dict(path):
+def _read_state_dict(path, arch):
     if not os.path.isfile(path):
-        raise UserError(f"--weights {path}: no such file; copy {WEIGHTS_FILE} there "
-                        "or point --weights at it")
+        raise UserError(f"--weights {path}: no such file; copy "
+                        f"{os.path.basename(imagenet_weights(arch).url)} there or point --weights at it")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -43,12 +49,12 @@ def _read_state_dict(path):
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise UserError(f"--weights {path}: expected a ResNet-18 state_dict (name -> tensor)")
+        raise UserError(f"--weights {path}: expected a {NAMES[arch]} state_dict (name -> tensor)")
     return state
 
 
-def load_backbone(model, state, source):
-    """Copy `state` into torchvision ResNet-18 `model`, all but its new `fc` head.
+def load_backbone(model, state, source, arch):
+    """Copy `state` into torchvision ResNet `model`, all but its new `fc` head.
 
     Every backbone tensor must be present with the right shape: a file of another
     architecture is rejected with one line instead of training from partly random weights.
@@ -61,6 +67,6 @@ def load_backbone(model, state, source):
     if missing or unexpected or wrong:
         detail = (missing and f"missing {missing[0]}") or (unexpected and f"unexpected {unexpected[0]}") \
             or f"shape of {wrong[0]} is {tuple(backbone[wrong[0]].shape)}, not {tuple(own[wrong[0]].shape)}"
-        raise UserError(f"{source}: not a torchvision ResNet-18 state_dict ({detail}, "
+        raise UserError(f"{source}: not a torchvision {NAMES[arch]} state_dict ({detail}, "
                         f"{len(missing)} missing, {len(unexpected)} unexpected, {len(wrong)} mis-shaped)")
     model.load_state_dict(backbone, strict=False)
