@@ -1,4 +1,4 @@
-"""Asynchronous SGD on CIFAR-100 with a parameter server (the slides' Algorithm 2).
+"""Asynchronous SGD with a parameter server (the slides' Algorithm 2), on CIFAR-100 by default.
 
     mpirun -np 3 python async_sgd_cifar100.py      # 1 server + 2 workers (any launcher works)
 

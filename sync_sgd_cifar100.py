@@ -1,4 +1,4 @@
-"""Synchronous SGD on CIFAR-100 (the slides' Algorithm 1), on any number of ranks.
+"""Synchronous SGD (the slides' Algorithm 1) on CIFAR-100 (or any --dataset), on any number of ranks.
 
     python sync_sgd_cifar100.py                         # a world of 1
     mpirun -np 4 python sync_sgd_cifar100.py            # Open MPI / MPICH / Intel MPI

@@ -26,6 +26,15 @@ def non_negative_float(text):
     return value
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except the uninformative None / False of optional flags."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line (and exit status 2), not a usage dump."""
 
@@ -35,7 +44,7 @@ class Parser(argparse.ArgumentParser):
 
 def make_parser(description, script, **defaults):
     """The flags every script has; `defaults` sets the script's own recipe."""
-    p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=description, formatter_class=HelpFormatter)
     d = p.add_argument_group("data")
     d.add_argument("--data-dir", default="./data", help="folder holding the data set")
     d.add_argument("--download", action="store_true", help="download the data set into --data-dir")
@@ -44,29 +53,34 @@ def make_parser(description, script, **defaults):
                    help="use only the first N training samples")
     d.add_argument("--test-limit", type=positive_int, metavar="N",
                    help="use only the first N test samples")
-    d.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                   help="processes decoding image files")
+    d.add_argument("--workers", type=int, default=min(8, len(os.sched_getaffinity(0))),
+                   help="processes decoding image files (TinyImageNet, imagefolder)")
 
     t = p.add_argument_group("training")
-    t.add_argument("--epochs", type=positive_int, default=30)
+    t.add_argument("--epochs", type=positive_int, default=30, help="epochs to train")
     t.add_argument("--batch-size", type=positive_int, default=128, help="images per update")
     t.add_argument("--lr", type=non_negative_float, default=0.1, help="peak learning rate")
-    t.add_argument("--momentum", type=non_negative_float, default=0.9)
+    t.add_argument("--momentum", type=non_negative_float, default=0.9,
+                   help="SGD momentum (Nesterov)")
     t.add_argument("--weight-decay", type=non_negative_float, default=5e-4,
                    help="L2 on weights (not on BatchNorm or biases)")
     t.add_argument("--warmup-epochs", type=non_negative_float, default=1.0,
                    help="linear warm-up, then cosine decay to zero")
-    t.add_argument("--label-smoothing", type=non_negative_float, default=0.1)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--label-smoothing", type=non_negative_float, default=0.1,
+                   help="label smoothing of the training loss")
+    t.add_argument("--seed", type=int, default=0,
+                   help="seeds model init, shuffling, augmentation and dropout")
 
     r = p.add_argument_group("run")
     r.add_argument("--out", default=os.path.join("runs", script),
                    help="output folder: config.json, metrics.csv, curve.png, checkpoint.pt")
-    r.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    r.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA when present")
     r.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 autocast + channels_last (default: on with CUDA, off on CPU)")
+                   help="bf16 autocast + channels_last; --no-amp: strict fp32 (no TF32 either). "
+                        "default: on with CUDA, off on CPU")
     r.add_argument("--fresh", action="store_true",
-                   help="start over even if --out holds a checkpoint (default: resume from it)")
+                   help="start over even if --out holds a checkpoint (without it: resume)")
     r.add_argument("--evaluate", action="store_true",
                    help="only evaluate the checkpoint in --out on the test set")
     p.set_defaults(**defaults)
@@ -151,8 +165,9 @@ def setup_run(args, script, rank=0, world_size=1, local_rank=0):
         prepare_out_dir(args.out)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        # --no-amp means strict fp32 (seed 001's FP32 training): no TF32 matmuls either.
+        torch.backends.cuda.matmul.allow_tf32 = amp
+        torch.backends.cudnn.allow_tf32 = amp
     run = Run(script, args.out, device, amp, rank, world_size)
     run.stop.install()  # from here on, SIGTERM/SIGINT ask the training loop to stop cleanly
     return run

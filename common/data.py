@@ -68,6 +68,13 @@ def load_datasets(name, args):
     ImageFolder datasets read from disk by `imagefolder.FolderLoader`.
     """
     if name == "imagefolder":
+        if args.dummy:  # ImageNet-shaped random data, held in memory: keep it modest
+            spec = DatasetSpec(1000, args.image_size or 224, 10_000, 1_000, IMAGENET_MEAN, IMAGENET_STD)
+            return (dummy_set(args.train_limit or spec.train_size, spec, seed=args.seed),
+                    dummy_set(args.test_limit or spec.test_size, spec, seed=args.seed + 1))
+        if args.download:
+            raise UserError("--download: ImageNet cannot be downloaded automatically; get it "
+                            "from image-net.org and point --data-dir at train/ and val/")
         from .imagefolder import read_imagefolder
         train, test = read_imagefolder(args.data_dir, args.image_size or 224)
         if args.train_limit or args.test_limit:

@@ -6,11 +6,13 @@ kubectl: the `kubectl` on PATH, or the binaries named in $KUBECTL (one path, or
 several separated by ':'), e.g. KUBECTL=/usr/bin/kubectl:/opt/k120/usr/bin/kubectl
 to check both kustomize v5 and the kustomize v2.0 embedded in kubectl 1.20.
 """
+import json
 import os
 import re
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,13 @@ OVERLAYS = {
     "pytorchjob/cpu": ("PyTorchJob", "pvc"),
     "pytorchjob/gpu": ("PyTorchJob", "pvc"),
 }
+# Examples: overlays of an overlay. They set the workload (SCRIPT, ARGS, WORKERS, pod
+# size); the storage, image and identity come from the overlay they are built on.
+EXAMPLES = {
+    # example: (workload kind, storage, the overlay it is built on)
+    "examples/resnet50-imagenet-mpijob": ("MPIJob", "nfs", "multi-node/user-mounted-nfs"),
+}
+RENDERED = {**OVERLAYS, **{name: spec[:2] for name, spec in EXAMPLES.items()}}
 COMMON_PARAMS = ["IMAGE", "SCRIPT", "ARGS", "DATASET_DIR", "OUTPUT_DIR"]
 STORAGE_PARAMS = {"nfs": ["NFS_SERVER", "NFS_PATH"], "pvc": ["PVC_NAME", "PVC_PATH"]}
 ALL_PARAMS = (COMMON_PARAMS + STORAGE_PARAMS["nfs"] + STORAGE_PARAMS["pvc"]
@@ -130,7 +139,7 @@ def test_package_layout():
         assert (d / "params.yaml").is_file(), d
     found = {str(p.parent.relative_to(K8S)) for p in K8S.rglob("params.yaml")
              if "base" not in p.parts}
-    assert found == set(OVERLAYS), "overlays on disk and in this test differ"
+    assert found == set(OVERLAYS) | set(EXAMPLES), "overlays on disk and in this test differ"
     readme = (K8S / "README.md").read_text()
     for name in ALL_PARAMS:
         assert name in readme, f"k8s/README.md does not explain {name}"
@@ -155,10 +164,10 @@ def test_dockerfile_builds_what_the_manifests_expect():
 
 
 # --------------------------------------------------------------------------- rendering
-@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+@pytest.mark.parametrize("overlay", sorted(RENDERED))
 def test_overlay_renders_valid_objects(kubectl, overlay):
     text, docs = render(kubectl, K8S / overlay)
-    kind, storage = OVERLAYS[overlay]
+    kind, storage = RENDERED[overlay]
     for name in ALL_PARAMS:
         assert f"$({name})" not in text, f"$({name}) left unsubstituted"
     assert docs_kind(docs) == kind
@@ -179,10 +188,10 @@ def test_overlay_renders_valid_objects(kubectl, overlay):
     assert set(COMMON_PARAMS + STORAGE_PARAMS[storage]) <= set(params)
 
 
-@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+@pytest.mark.parametrize("overlay", sorted(RENDERED))
 def test_pods_run_as_the_user_and_mount_the_storage(kubectl, overlay):
     _, docs = render(kubectl, K8S / overlay)
-    kind, storage = OVERLAYS[overlay]
+    kind, storage = RENDERED[overlay]
     params = params_of(docs)
     identities = set()
     for role, spec in pod_specs(docs):
@@ -211,7 +220,7 @@ def test_pods_run_as_the_user_and_mount_the_storage(kubectl, overlay):
     assert len(identities) == 1, f"pods of one job run as different users: {identities}"
 
 
-@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+@pytest.mark.parametrize("overlay", sorted(RENDERED))
 def test_restarts_resume_from_a_fixed_out(kubectl, overlay):
     _, docs = render(kubectl, K8S / overlay)
     for d in docs:
@@ -230,7 +239,7 @@ def test_restarts_resume_from_a_fixed_out(kubectl, overlay):
 
 
 def test_mpijob_has_what_the_mpi_operator_needs(kubectl):
-    for overlay, (kind, _) in OVERLAYS.items():
+    for overlay, (kind, _) in RENDERED.items():
         if kind != "MPIJob":
             continue
         _, docs = render(kubectl, K8S / overlay)
@@ -426,3 +435,192 @@ def test_scripts_named_in_the_package_exist():
     for script in sorted(named):
         assert script in SCRIPTS, f"SCRIPT: {script} is not one of the HW4 scripts"
         assert (REPO / script).is_file(), f"SCRIPT: {script} does not exist at the repo root"
+
+
+# --------------------------------------------------------------------------- examples
+IMAGENET_EXAMPLE = "examples/resnet50-imagenet-mpijob"
+
+
+def _last(argv, flag):
+    """The value argparse keeps for `flag`: its last occurrence."""
+    found = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+    assert found, f"{flag} is not on the command line {argv}"
+    return found[-1]
+
+
+def _parse_with_the_script(script, argv):
+    """The script's own argparse namespace for `argv`, as a dict (a subprocess, so that
+    torch is imported there and not into this test process)."""
+    code = ("import json, sys\n"
+            f"sys.path.insert(0, {str(REPO)!r})\n"
+            f"import {Path(script).stem} as m\n"
+            "print(json.dumps(vars(m.parse_args(sys.argv[1:])), default=str))\n")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"{script} rejects {argv}:\n{proc.stderr[-2000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_imagenet_example_runs_resnet50_fp32_over_two_mpi_workers(kubectl, tmp_path):
+    """Seed 001's workload: ResNet-50 v1.5 in FP32 on ImageNet from DATASET_DIR, 2 Workers."""
+    if not os.path.exists("/bin/sh"):
+        pytest.skip("needs /bin/sh")
+    _, docs = render(kubectl, K8S / IMAGENET_EXAMPLE)
+    params = params_of(docs)
+    rs = one(docs, "MPIJob")["spec"]["mpiReplicaSpecs"]
+    assert rs["Worker"]["replicas"] == 2
+    assert rs["Launcher"]["replicas"] == 1
+    launcher = rs["Launcher"]["template"]["spec"]["containers"][0]
+    text = command_text(launcher)
+    assert "--dataset imagefolder --arch resnet50" in text
+    assert re.search(r"(?<![\w-])--no-amp(?![\w-])", text)
+    assert params["SCRIPT"] == "sync_sgd_cifar100.py"
+    # The Workers are sized for ImageNet, not the CIFAR defaults of the base.
+    worker = rs["Worker"]["template"]["spec"]["containers"][0]
+    requests = worker["resources"]["requests"]
+    assert int(requests["cpu"]) >= 8 and requests["memory"].endswith("Gi")
+
+    # What mpirun is asked to start, with the launcher's shell expanding ARGS.
+    argv = _run_command(launcher, tmp_path,
+                        {"OMPI_MCA_orte_default_hostfile": str(_hostfile(tmp_path, 2))})
+    assert argv[0] == "mpirun" and argv[argv.index("-np") + 1] == "2"
+    py = argv[argv.index("python") + 1:]
+    assert py[0] == params["SCRIPT"]
+    script_argv = py[1:]
+    # ARGS comes after the overlay's own --data-dir/--out, so its values are the ones kept.
+    data_dir = _last(script_argv, "--data-dir")
+    assert data_dir.startswith(params["DATASET_DIR"].rstrip("/") + "/"), data_dir
+    assert "$" not in data_dir, f"--data-dir {data_dir} was not expanded"
+    out = _last(script_argv, "--out")
+    assert out.startswith(params["OUTPUT_DIR"].rstrip("/") + "/") and "$" not in out, out
+    assert _last(script_argv, "--dataset") == "imagefolder"
+    assert _last(script_argv, "--arch") == "resnet50"
+    assert "--no-amp" in script_argv and "--amp" not in script_argv
+    assert "--fresh" not in script_argv and "--dummy" not in script_argv
+
+    # And the script itself reads them so (the last --data-dir/--out win).
+    ns = _parse_with_the_script(params["SCRIPT"], script_argv)
+    assert ns["data_dir"] == data_dir == params["DATASET_DIR"].rstrip("/") + "/imagenet"
+    assert ns["out"] == out
+    assert (ns["dataset"], ns["arch"], ns["amp"]) == ("imagefolder", "resnet50", False)
+    assert (ns["epochs"], ns["batch_size"]) == (90, 256)
+    assert ns["weight_decay"] == pytest.approx(1e-4)
+
+
+def test_imagenet_example_takes_storage_and_identity_from_its_overlay(kubectl, tmp_path):
+    """The user sets NFS, image and identity once, in the overlay the example is built on;
+    the example keeps its own workload and its 2 Workers."""
+    kind, storage, built_on = EXAMPLES[IMAGENET_EXAMPLE]
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree)
+    example_params = (K8S / IMAGENET_EXAMPLE / "params.yaml").read_text()
+    for name in COMMON_PARAMS + STORAGE_PARAMS[storage]:
+        if name not in ("SCRIPT", "ARGS"):
+            assert not re.search(rf"^[ \t]+{name}:", example_params, re.M), (
+                f"{IMAGENET_EXAMPLE}/params.yaml sets {name}: it belongs in {built_on}")
+    base_params = tree / built_on / "params.yaml"
+    new = {"IMAGE": "registry.example.org/me/ie534-hw4:v7", "DATASET_DIR": "/mnt/in",
+           "OUTPUT_DIR": "/mnt/out", "NFS_SERVER": "10.1.2.3", "NFS_PATH": "/export/alice"}
+    for name, value in new.items():
+        _set(base_params, rf"^([ \t]+{name}:[ \t]*).*?(?=[ \t]+#|$)", f'"{value}"')
+    _set(base_params, r"^([ \t]+runAsUser:[ \t]*)\d+", "4242")
+    _set(base_params, r"^([ \t]+runAsGroup:[ \t]*)\d+", "4343")
+    _set(base_params, r"^([ \t]+fsGroup:[ \t]*)\d+", "4444")
+    _set(base_params, r"^([ \t]+replicas:[ \t]*)\d+", "7")
+
+    text, docs = render(kubectl, tree / IMAGENET_EXAMPLE)
+    for name in ALL_PARAMS:
+        assert f"$({name})" not in text
+    params = params_of(docs)
+    for name, value in new.items():
+        assert params[name] == value, name
+    assert params["ARGS"] == one(render(kubectl, K8S / IMAGENET_EXAMPLE)[1],
+                                 "ConfigMap")["data"]["ARGS"]
+    rs = one(docs, "MPIJob")["spec"]["mpiReplicaSpecs"]
+    assert rs["Worker"]["replicas"] == 2, "the example's WORKERS"
+    for role, spec in pod_specs(docs):
+        sc = spec["securityContext"]
+        assert (sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"]) == (4242, 4343, 4444), role
+        assert spec["containers"][0]["image"] == new["IMAGE"], role
+        if role == "Worker":
+            shared = [v for v in spec["volumes"] if v["name"] == "shared"][0]
+            assert shared["nfs"] == {"server": new["NFS_SERVER"], "path": new["NFS_PATH"]}
+            mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+            assert {new["DATASET_DIR"], new["OUTPUT_DIR"]} <= mounts
+    # The data path of the run follows DATASET_DIR.
+    argv = _run_command(rs["Launcher"]["template"]["spec"]["containers"][0], tmp_path, {
+        "OMPI_MCA_orte_default_hostfile": str(_hostfile(tmp_path, 2))})
+    assert _last(argv, "--data-dir") == new["DATASET_DIR"] + "/imagenet"
+
+
+def _hostfile(tmp_path, workers):
+    path = tmp_path / "hostfile"
+    path.write_text("".join(f"hw4-mpijob-worker-{i}.hw4-mpijob slots=1\n" for i in range(workers)))
+    return path
+
+
+def test_imagenet_example_on_a_pvc(kubectl, tmp_path):
+    """k8s/README.md: pointing the example's `bases:` at user-allocated-pvc runs it on a claim."""
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree)
+    kustomization = tree / IMAGENET_EXAMPLE / "kustomization.yaml"
+    _set(kustomization, r"^(- )\.\./\.\./multi-node/user-mounted-nfs[ \t]*$",
+         "../../multi-node/user-allocated-pvc")
+    _, docs = render(kubectl, tree / IMAGENET_EXAMPLE)
+    params = params_of(docs)
+    rs = one(docs, "MPIJob")["spec"]["mpiReplicaSpecs"]
+    assert rs["Worker"]["replicas"] == 2
+    spec = rs["Worker"]["template"]["spec"]
+    shared = [v for v in spec["volumes"] if v["name"] == "shared"][0]
+    assert shared["persistentVolumeClaim"]["claimName"] == params["PVC_NAME"]
+    assert "--arch resnet50" in command_text(rs["Launcher"]["template"]["spec"]["containers"][0])
+    assert spec["containers"][0]["resources"]["requests"]["memory"].endswith("Gi")
+    version = kubernetes_validate.utils.latest_version()
+    for role, pod_spec in pod_specs(docs):
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "Pod",
+                                      "metadata": {"name": role.lower()}, "spec": pod_spec},
+                                     version, strict=True)
+
+
+def test_readme_documents_the_imagenet_workload():
+    readme = (K8S / "README.md").read_text()
+    assert "Seed 001's workload: ResNet-50 v1.5 on ImageNet" in readme
+    assert f"kubectl kustomize k8s/{IMAGENET_EXAMPLE}" in readme
+    for needle in ("imagenet/train/<wnid>/", "imagenet/val/<wnid>/", "--no-amp",
+                   "--dataset imagefolder", "--arch resnet50", "ILSVRC2012_img_val.tar"):
+        assert needle in readme, f"k8s/README.md does not mention {needle}"
+
+
+@pytest.mark.parametrize("overlay", ["single-node/user-mounted-nfs",
+                                     "single-node/user-allocated-pvc"])
+def test_imagenet_single_node_variant_from_the_readme(kubectl, overlay, tmp_path):
+    """The README's single-node variant: SCRIPT/ARGS and the pod size in params.yaml."""
+    readme = (K8S / "README.md").read_text()
+    section = readme[readme.index("### Single-node: a Pod"):]
+    script = re.search(r"^[ \t]+SCRIPT:[ \t]*(\S+)", section, re.M).group(1)
+    args = re.search(r'^[ \t]+ARGS:[ \t]*"([^"]*)"', section, re.M).group(1)
+    size = re.search(r"^```\n(  containers:\n.*?)^```", section, re.M | re.S).group(1)
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S, tree)
+    params_file = tree / overlay / "params.yaml"
+    _set(params_file, r"^([ \t]+SCRIPT:[ \t]*).*?(?=[ \t]+#|$)", script)
+    _set(params_file, r"^([ \t]+ARGS:[ \t]*).*?(?=[ \t]+#|$)", f'"{args}"')
+    params_file.write_text(params_file.read_text().rstrip("\n") + "\n" + size)
+
+    _, docs = render(kubectl, tree / overlay)
+    pod = one(docs, "Pod")
+    params = params_of(docs)
+    (container,) = pod["spec"]["containers"]
+    assert container["resources"]["requests"]["memory"].endswith("Gi")
+    assert container["image"] == params["IMAGE"] and container["volumeMounts"]
+    argv = _run_command(container, tmp_path, {})
+    assert argv[:2] == ["python", script]
+    assert _last(argv, "--data-dir") == params["DATASET_DIR"] + "/imagenet"
+    assert _last(argv, "--out").startswith(params["OUTPUT_DIR"] + "/")
+    assert "--no-amp" in argv
+    ns = _parse_with_the_script(script, argv[2:])
+    assert (ns["dataset"], ns["arch"], ns["amp"]) == ("imagefolder", "resnet50", False)
+    assert ns["data_dir"] == params["DATASET_DIR"] + "/imagenet"
+    version = kubernetes_validate.utils.latest_version()
+    for d in docs:
+        kubernetes_validate.validate(d, version, strict=True)

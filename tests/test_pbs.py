@@ -5,6 +5,7 @@ and call a script that exists at the repository root with flags that script
 accepts (compared with `python <script> --help`). A missing script is a failure.
 """
 import functools
+import json
 import os
 import re
 import shlex
@@ -191,9 +192,8 @@ printf '%s\\n' "$(basename "$0")" "$@" > "$FAKE_LOG"
 """
 
 
-@pytest.mark.parametrize("job", ALL_JOBS, ids=job_id)
-def test_dry_run_with_fake_scheduler_tools(job, tmp_path):
-    """Run the job script with a fake aprun/srun/module and check what it starts."""
+def dry_run(job, tmp_path):
+    """Run the job script with a fake aprun/srun/module; (the launcher's argv, $HOME)."""
     home = tmp_path / "home"
     home.mkdir()
     (home / "ie534-hw4").symlink_to(REPO)
@@ -209,7 +209,13 @@ def test_dry_run_with_fake_scheduler_tools(job, tmp_path):
     proc = subprocess.run(["bash", str(job)], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    argv = log.read_text().splitlines()
+    return log.read_text().splitlines(), home
+
+
+@pytest.mark.parametrize("job", ALL_JOBS, ids=job_id)
+def test_dry_run_with_fake_scheduler_tools(job, tmp_path):
+    """Run the job script with a fake aprun/srun/module and check what it starts."""
+    argv, home = dry_run(job, tmp_path)
     script, _ = launch(job.read_text())
     py = argv.index(script)
     assert argv[0] == ("aprun" if job.suffix == ".pbs" else "srun")
@@ -219,3 +225,52 @@ def test_dry_run_with_fake_scheduler_tools(job, tmp_path):
     out = args[args.index("--out") + 1]
     assert out.startswith(str(home)) and Path(out).is_dir(), out
     assert set(a.split("=")[0] for a in args if a.startswith("--")) <= help_flags(script)
+
+
+# --------------------------------------------------------------------------- seed 001
+IMAGENET_JOB = PBS / "resnet50_imagenet.sbatch"
+
+
+def _last(argv, flag):
+    """The value argparse keeps for `flag`: its last occurrence."""
+    found = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
+    assert found, f"{flag} is not on the command line {argv}"
+    return found[-1]
+
+
+def test_imagenet_job_runs_resnet50_fp32_on_an_image_folder(tmp_path):
+    """Seed 001's workload under Slurm: ResNet-50 v1.5, FP32, ImageNet layout in DATA_DIR."""
+    assert IMAGENET_JOB in SLURM_JOBS
+    text = IMAGENET_JOB.read_text()
+    script, flags = launch(text)
+    assert script == "sync_sgd_cifar100.py"
+    assert {"--dataset", "--arch", "--no-amp"} <= set(flags)
+    assert re.search(r"^#SBATCH --nodes=2\s*$", text, re.M), "2 processes, as the seed's 2 workers"
+    argv, home = dry_run(IMAGENET_JOB, tmp_path)
+    args = argv[argv.index(script) + 1:]
+    assert _last(args, "--dataset") == "imagefolder"
+    assert _last(args, "--arch") == "resnet50"
+    assert "--no-amp" in args and "--amp" not in args
+    assert _last(args, "--data-dir") == str(home / "scratch" / "imagenet")
+    out = _last(args, "--out")
+    assert out.startswith(str(home)) and Path(out).is_dir() and "imagenet" in out
+    # The script's own parser reads the ImageNet recipe from this command line.
+    code = ("import json, sys\n"
+            f"sys.path.insert(0, {str(REPO)!r})\n"
+            "import sync_sgd_cifar100 as m\n"
+            "print(json.dumps(vars(m.parse_args(sys.argv[1:])), default=str))\n")
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ns = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (ns["dataset"], ns["arch"], ns["amp"]) == ("imagefolder", "resnet50", False)
+    assert (ns["epochs"], ns["batch_size"]) == (90, 256)
+    assert ns["lr"] == pytest.approx(0.1) and ns["weight_decay"] == pytest.approx(1e-4)
+
+
+def test_readme_shows_the_imagenet_workload():
+    readme = (PBS / "README.md").read_text()
+    assert "Seed 001's workload: ResNet-50 v1.5 on ImageNet" in readme
+    for needle in ("resnet50_imagenet.sbatch", "--dataset imagefolder --arch resnet50",
+                   "--no-amp", "train/<wnid>/", "val/<wnid>/", "sync_sgd_cifar100.pbs"):
+        assert needle in readme, f"pbs/README.md does not mention {needle}"
