@@ -44,8 +44,11 @@ def _read_state_dict(path, arch):
                         f"{os.path.basename(imagenet_weights(arch).url)} there or point --weights at it")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise UserError(f"--weights {path}: not a readable PyTorch state_dict ({exc})") from None
+    except Exception as exc:  # torch's own message is many lines: name the class only
+        raise UserError(f"--weights {path}: not a readable PyTorch state_dict "
+                        f"({exc.__class__.__name__}); expected a file written by "
+                        f"torch.save(model.state_dict()), such as "
+                        f"{os.path.basename(imagenet_weights(arch).url)}") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -1,0 +1,426 @@
+"""Data loading: CIFAR-100 pickles, the TinyImageNet tree, DeviceLoader, --dummy, limits."""
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common import cli, data
+from common.errors import UserError
+from tests.datagen import (CIFAR100_FINE_LABEL_NAMES, cifar_label_from_image, make_cifar100,
+                           make_tinyimagenet, snapshot_tree, tiny_label_from_image)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse(*argv):
+    return cli.make_parser("test", "test").parse_args(list(argv))
+
+
+# ------------------------------------------------------------------------------ CIFAR-100
+
+def test_cifar_loader_shapes_labels_classes(cifar_dir):
+    train = data.read_cifar100(str(cifar_dir), True)
+    test = data.read_cifar100(str(cifar_dir), False)
+    assert train.images.shape == (200, 3, 32, 32) and test.images.shape == (100, 3, 32, 32)
+    assert train.images.dtype == torch.uint8 and train.labels.dtype == torch.int64
+    assert train.labels.shape == (200,) and test.labels.shape == (100,)
+    for s in (train, test):
+        assert [cifar_label_from_image(img) for img in s.images] == s.labels.tolist()
+    assert train.classes == list(CIFAR100_FINE_LABEL_NAMES)
+    assert all(isinstance(c, str) for c in train.classes)
+    # the labels follow the pickle's order and cover the classes
+    with open(cifar_dir / "cifar-100-python" / "train", "rb") as f:
+        raw = pickle.load(f, encoding="bytes")
+    assert train.labels.tolist() == raw[b"fine_labels"]
+    assert np.array_equal(train.images.reshape(200, -1).numpy(), raw[b"data"])
+    assert set(train.labels.tolist()) == set(range(100))
+
+
+@pytest.fixture
+def cifar_copy(tmp_path):
+    make_cifar100(tmp_path, n_train=8, n_test=4, num_classes=100, seed=1)
+    return tmp_path, tmp_path / "cifar-100-python"
+
+
+def _expect_user_error(fn, *needles):
+    with pytest.raises(UserError) as info:
+        fn()
+    msg = str(info.value)
+    assert "\n" not in msg
+    for needle in needles:
+        assert str(needle) in msg, (needle, msg)
+    return msg
+
+
+def test_cifar_missing_folder_names_path_and_download(tmp_path):
+    expected = os.path.join(str(tmp_path), "cifar-100-python")
+    _expect_user_error(lambda: data.read_cifar100(str(tmp_path), True), expected, "--download")
+    args = parse("--data-dir", str(tmp_path))
+    _expect_user_error(lambda: data.load_datasets("cifar100", args), expected, "--download")
+
+
+def _dump(path, obj):
+    with open(path, "wb") as f:
+        pickle.dump(obj, f, protocol=2)
+
+
+def _load(path):
+    with open(path, "rb") as f:
+        return pickle.load(f, encoding="bytes")
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "not_pickle", "list", "no_data",
+                                    "wrong_shape", "wrong_dtype", "label_count",
+                                    "label_100", "label_negative", "missing_file"])
+def test_cifar_malformed_gives_user_error_naming_path(cifar_copy, damage):
+    root, folder = cifar_copy
+    path = folder / "train"
+    good = _load(path)
+    raw = path.read_bytes()
+    if damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "truncated":
+        path.write_bytes(raw[: len(raw) // 2])
+    elif damage == "not_pickle":
+        path.write_bytes(b"this is not a pickle\n" * 10)
+    elif damage == "list":
+        _dump(path, [good[b"data"], good[b"fine_labels"]])
+    elif damage == "no_data":
+        _dump(path, {b"fine_labels": good[b"fine_labels"]})
+    elif damage == "wrong_shape":
+        _dump(path, {**good, b"data": good[b"data"][:, :1000]})
+    elif damage == "wrong_dtype":
+        _dump(path, {**good, b"data": good[b"data"].astype(np.float32)})
+    elif damage == "label_count":
+        _dump(path, {**good, b"fine_labels": good[b"fine_labels"][:-1]})
+    elif damage == "label_100":
+        _dump(path, {**good, b"fine_labels": [100] + good[b"fine_labels"][1:]})
+    elif damage == "label_negative":
+        _dump(path, {**good, b"fine_labels": [-1] + good[b"fine_labels"][1:]})
+    elif damage == "missing_file":
+        path.unlink()
+    _expect_user_error(lambda: data.read_cifar100(str(root), True), path)
+    # the test split is still fine
+    assert len(data.read_cifar100(str(root), False)) == 4
+
+
+def test_cifar_meta_damaged(cifar_copy):
+    root, folder = cifar_copy
+    (folder / "meta").write_bytes(b"")
+    _expect_user_error(lambda: data.read_cifar100(str(root), True), folder / "meta")
+
+
+# ------------------------------------------------------------------------------ TinyImageNet
+
+def _val_annotations(root):
+    lines = (root / "tiny-imagenet-200" / "val" / "val_annotations.txt").read_text().splitlines()
+    return [line.split("\t") for line in lines if line.strip()]
+
+
+def test_tiny_labels_follow_sorted_wnids_and_images(tiny_dir):
+    root = tiny_dir / "tiny-imagenet-200"
+    wnids = [w.strip() for w in (root / "wnids.txt").read_text().split()]
+    assert wnids != sorted(wnids)  # the generator's list is unsorted on purpose
+    train_files, val_files, classes = data.tinyimagenet_files(str(tiny_dir))
+    assert classes == sorted(wnids)
+    train, val = data.read_tinyimagenet(str(tiny_dir), workers=0)
+    assert train.classes == sorted(wnids)
+    assert train.images.shape == (24, 3, 64, 64) and val.images.shape == (12, 3, 64, 64)
+    assert train.images.dtype == torch.uint8 and train.labels.dtype == torch.int64
+    # every training file sits in the folder of the wnid its label names
+    for (path, label), y in zip(train_files, train.labels.tolist()):
+        assert label == y
+        assert os.path.basename(os.path.dirname(os.path.dirname(path))) == sorted(wnids)[y]
+    # every decoded image carries its label
+    for s in (train, val):
+        assert [tiny_label_from_image(img) for img in s.images] == s.labels.tolist()
+    assert sorted(set(train.labels.tolist())) == [0, 1, 2, 3]
+
+
+def test_tiny_val_split_matches_annotations(tiny_dir):
+    root = tiny_dir / "tiny-imagenet-200"
+    classes = sorted((root / "wnids.txt").read_text().split())
+    _, val_files, _ = data.tinyimagenet_files(str(tiny_dir))
+    ann = _val_annotations(tiny_dir)
+    assert len(val_files) == len(ann) == 12
+    for (path, label), fields in zip(val_files, ann):
+        assert os.path.samefile(path, root / "val" / "images" / fields[0])
+        assert label == classes.index(fields[1])
+    _, val = data.read_tinyimagenet(str(tiny_dir), workers=0)
+    assert val.labels.tolist() == [classes.index(f[1]) for f in ann]
+
+
+def test_tiny_grayscale_images_become_three_equal_channels(tiny_dir):
+    from PIL import Image
+    train_files, _, _ = data.tinyimagenet_files(str(tiny_dir))
+    train, _ = data.read_tinyimagenet(str(tiny_dir), workers=0)
+    gray = 0
+    for (path, _), img in zip(train_files, train.images):
+        with Image.open(path) as f:
+            mode = f.mode
+            pixels = np.asarray(f.convert("RGB")).transpose(2, 0, 1)
+        assert img.shape == (3, 64, 64)
+        assert np.array_equal(img.numpy(), pixels)
+        if mode == "L":
+            gray += 1
+            assert torch.equal(img[0], img[1]) and torch.equal(img[1], img[2])
+    assert gray >= 4  # the generator writes one grayscale image per class
+
+
+def test_tiny_files_untouched(tmp_path):
+    make_tinyimagenet(tmp_path, n_classes=3, n_train_per_class=2, n_val_per_class=2, seed=3)
+
+    def dirs():
+        return sorted(os.path.relpath(d, tmp_path) for d, _, _ in os.walk(tmp_path))
+
+    before, before_dirs = snapshot_tree(tmp_path), dirs()
+    args = parse("--data-dir", str(tmp_path), "--workers", "0")
+    train, test = data.load_datasets("tinyimagenet", args)
+    assert len(train) == 6 and len(test) == 6
+    assert snapshot_tree(tmp_path) == before
+    assert dirs() == before_dirs
+
+
+_CONCURRENT = r"""
+import hashlib, json, sys
+sys.path.insert(0, sys.argv[1])
+from common import data
+train, val = data.read_tinyimagenet(sys.argv[2], workers=0)
+files = data.tinyimagenet_files(sys.argv[2])
+h = hashlib.sha1()
+for s in (train, val):
+    h.update(s.images.numpy().tobytes()); h.update(s.labels.numpy().tobytes())
+print(json.dumps({"hash": h.hexdigest(), "files": files, "n": [len(train), len(val)]}))
+"""
+
+
+def test_tiny_two_processes_at_once(tmp_path):
+    make_tinyimagenet(tmp_path, n_classes=3, n_train_per_class=3, n_val_per_class=3, seed=4)
+    before = snapshot_tree(tmp_path)
+    procs = [subprocess.Popen([sys.executable, "-c", _CONCURRENT, REPO, str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert results[0] == results[1]
+    assert results[0]["n"] == [9, 9]
+    assert snapshot_tree(tmp_path) == before
+
+
+@pytest.fixture
+def tiny_copy(tmp_path):
+    make_tinyimagenet(tmp_path, n_classes=2, n_train_per_class=1, n_val_per_class=2, seed=5)
+    return tmp_path, tmp_path / "tiny-imagenet-200"
+
+
+def test_tiny_missing_tree_names_path_and_download(tmp_path):
+    args = parse("--data-dir", str(tmp_path))
+    _expect_user_error(lambda: data.load_datasets("tinyimagenet", args),
+                       os.path.join(str(tmp_path), "tiny-imagenet-200"), "--download")
+
+
+def test_tiny_missing_val_annotations(tiny_copy):
+    root, tree = tiny_copy
+    ann = tree / "val" / "val_annotations.txt"
+    ann.unlink()
+    _expect_user_error(lambda: data.tinyimagenet_files(str(root)), ann)
+
+
+def test_tiny_val_label_not_in_wnids(tiny_copy):
+    root, tree = tiny_copy
+    ann = tree / "val" / "val_annotations.txt"
+    lines = ann.read_text().splitlines(keepends=True)
+    fields = lines[2].split("\t")
+    fields[1] = "n99999999"
+    lines[2] = "\t".join(fields)
+    ann.write_text("".join(lines))
+    msg = _expect_user_error(lambda: data.tinyimagenet_files(str(root)), ann, "n99999999")
+    assert ":3" in msg  # the line number
+
+
+# ------------------------------------------------------------------------------ DeviceLoader
+
+def _id_set(n, size=8, seed=0, low=1):
+    """n random images (pixels >= `low`), labelled 0..n-1 so batches reveal sample ids."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(low, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
+    return data.ImageSet(images, torch.arange(n), [str(i) for i in range(n)])
+
+
+# mean 0 and std 1/255: the loader's normalisation is then the identity on pixel values
+RAW = dict(mean=(0.0, 0.0, 0.0), std=(1 / 255, 1 / 255, 1 / 255))
+
+
+def _collect(loader, epoch=None):
+    if epoch is not None:
+        loader.set_epoch(epoch)
+    xs, ys = [], []
+    for x, y in loader:
+        xs.append(x)
+        ys.append(y)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def test_train_sampler_shards_cover_each_sample_once_per_epoch():
+    ds = _id_set(20)
+    orders = []
+    for epoch in range(3):
+        ids = []
+        for rank in range(2):
+            loader = data.DeviceLoader(ds, 3, "cpu", train=True, rank=rank, world_size=2,
+                                       seed=7, **RAW)
+            loader.set_epoch(epoch)
+            assert len(loader) == 4  # ceil(10 / 3)
+            _, y = _collect(loader)
+            assert len(y) == 10
+            ids.append(y.tolist())
+        assert sorted(ids[0] + ids[1]) == list(range(20))
+        orders.append(ids[0] + ids[1])
+    assert orders[0] != orders[1] and orders[1] != orders[2]
+    # the same epoch gives the same order again (resumable)
+    loader = data.DeviceLoader(ds, 3, "cpu", train=True, rank=0, world_size=2, seed=7, **RAW)
+    assert _collect(loader, 1)[1].tolist() == orders[1][:10]
+
+
+def test_test_loader_covers_each_sample_once_without_padding():
+    ds = _id_set(11)
+    ids = []
+    for rank in range(2):
+        loader = data.DeviceLoader(ds, 4, "cpu", train=False, rank=rank, world_size=2, **RAW)
+        x, y = _collect(loader)
+        ids += y.tolist()
+        # images belong to their ids (no shuffling mix-up)
+        assert torch.equal(x, ds.images[y].float())
+    assert sorted(ids) == list(range(11)) and len(ids) == 11
+
+
+def _crop_flip_candidates(img, pad):
+    """Every crop (zero padding `pad`) of `img`, with and without a horizontal flip."""
+    c, h, w = img.shape
+    padded = F.pad(img, (pad, pad, pad, pad))
+    out = {}
+    for dy in range(2 * pad + 1):
+        for dx in range(2 * pad + 1):
+            crop = padded[:, dy:dy + h, dx:dx + w]
+            out[(dy, dx, False)] = crop
+            out[(dy, dx, True)] = crop.flip(-1)
+    return out
+
+
+def _which_crop(aug, original, pad):
+    hits = [k for k, v in _crop_flip_candidates(original, pad).items() if torch.equal(v, aug)]
+    assert hits, "augmented image is no zero-padded crop/flip of its original"
+    return hits[0]
+
+
+def test_augmentation_is_random_zero_padded_crop_and_flip():
+    ds = _id_set(48, size=16, seed=1)
+    pad = 16 // 8
+    loader = data.DeviceLoader(ds, 16, "cpu", train=True, seed=3, **RAW)
+    assert loader.pad == pad
+    crops = {}
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        seen = 0
+        for x, y in loader:
+            assert x.dtype == torch.float32 and x.shape == (16, 3, 16, 16)
+            batch = [_which_crop(img, ds.images[i].float(), pad) for img, i in zip(x, y.tolist())]
+            # per-sample randomness within every batch: vertical and horizontal offsets and
+            # flips each vary (not one draw for the whole batch)
+            assert len({k[0] for k in batch}) > 1 and len({k[1] for k in batch}) > 1
+            assert {k[2] for k in batch} == {False, True}
+            crops.update({(epoch, i): k for i, k in zip(y.tolist(), batch)})
+            seen += len(y)
+        assert seen == 48
+    epoch0 = [crops[0, i] for i in range(48)]
+    # many different offsets, shifted crops (which show the zero padding), not only the centre
+    assert len({k[:2] for k in epoch0}) >= 10
+    assert sum(k[:2] != (pad, pad) for k in epoch0) >= 24
+    # a different epoch draws different crops for the same samples
+    assert sum(crops[0, i] != crops[1, i] for i in range(48)) >= 24
+
+
+def test_test_batches_not_augmented_and_normalised():
+    ds = _id_set(10, size=8, seed=2, low=0)
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    loader = data.DeviceLoader(ds, 4, "cpu", train=False, mean=mean, std=std)
+    x, y = _collect(loader)
+    assert y.tolist() == list(range(10))
+    m = torch.tensor(mean).view(1, 3, 1, 1)
+    s = torch.tensor(std).view(1, 3, 1, 1)
+    expected = (ds.images.float() / 255 - m) / s
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+    # the training loader normalises with the same statistics (crop/flip aside)
+    train = data.DeviceLoader(ds, 10, "cpu", train=True, mean=mean, std=std, pad=0)
+    xt, yt = _collect(train, 0)
+    for img, i in zip(xt, yt.tolist()):
+        e = expected[i]
+        assert torch.allclose(img, e, atol=1e-5) or torch.allclose(img, e.flip(-1), atol=1e-5)
+
+
+def test_image_size_resizes():
+    ds = _id_set(4, size=8, seed=3)
+    # constant colour per image: resizing keeps the value everywhere
+    ds.images[:] = ds.images[:, :, :1, :1]
+    for train in (False, True):
+        loader = data.DeviceLoader(ds, 4, "cpu", train=train, image_size=20, pad=0, **RAW)
+        x, y = _collect(loader, 0)
+        assert x.shape == (4, 3, 20, 20)
+        torch.testing.assert_close(x, ds.images[y].float()[:, :, :1, :1].expand(4, 3, 20, 20))
+    # a real picture: the resized batch is a smooth upsampling (mean nearly kept)
+    ds = _id_set(2, size=8, seed=4)
+    x, _ = _collect(data.DeviceLoader(ds, 2, "cpu", train=False, image_size=32, **RAW))
+    assert x.shape == (2, 3, 32, 32)
+    assert abs(x.mean().item() - ds.images.float().mean().item()) < 3.0
+
+
+# ------------------------------------------------------------------------------ --dummy, limits
+
+@pytest.mark.parametrize("name,size,classes", [("cifar100", 32, 100), ("tinyimagenet", 64, 200)])
+def test_dummy_shapes_and_classes(name, size, classes, tmp_path):
+    args = parse("--dummy", "--data-dir", str(tmp_path / "nothing"),
+                 "--train-limit", "300", "--test-limit", "7")
+    train, test = data.load_datasets(name, args)
+    assert train.images.shape == (300, 3, size, size) and test.images.shape == (7, 3, size, size)
+    assert train.images.dtype == torch.uint8
+    assert len(train.classes) == classes
+    assert 0 <= train.labels.min() and train.labels.max() < classes
+    assert len(set(train.labels.tolist())) > 50  # labels spread over the classes
+    assert not os.path.exists(tmp_path / "nothing")
+    spec = data.SPECS[name]
+    assert (spec.num_classes, spec.image_size) == (classes, size)
+    assert (spec.train_size, spec.test_size) == ((50_000, 10_000) if name == "cifar100"
+                                                 else (100_000, 10_000))
+
+
+def test_limits_take_first_samples_cifar(cifar_dir):
+    full_train, full_test = data.load_datasets("cifar100", parse("--data-dir", str(cifar_dir)))
+    train, test = data.load_datasets("cifar100", parse("--data-dir", str(cifar_dir),
+                                                       "--train-limit", "13",
+                                                       "--test-limit", "5"))
+    assert len(full_train) == 200 and len(full_test) == 100
+    assert torch.equal(train.images, full_train.images[:13])
+    assert torch.equal(train.labels, full_train.labels[:13])
+    assert torch.equal(test.images, full_test.images[:5])
+    assert torch.equal(test.labels, full_test.labels[:5])
+
+
+def test_limits_take_first_samples_tiny(tiny_dir):
+    base = ("--data-dir", str(tiny_dir), "--workers", "0")
+    full_train, full_test = data.load_datasets("tinyimagenet", parse(*base))
+    train, test = data.load_datasets("tinyimagenet", parse(*base, "--train-limit", "7",
+                                                            "--test-limit", "5"))
+    assert torch.equal(train.images, full_train.images[:7])
+    assert torch.equal(train.labels, full_train.labels[:7])
+    assert torch.equal(test.images, full_test.images[:5])
+    assert torch.equal(test.labels, full_test.labels[:5])

@@ -1,0 +1,324 @@
+"""The three scripts end to end, as subprocesses, on tiny generated data (CPU)."""
+import csv
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.datagen import (CIFAR100_FINE_LABEL_NAMES, make_cifar100, make_resnet18_weights,
+                           snapshot_tree)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLUMNS = ["epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr",
+           "epoch_seconds", "elapsed_seconds"]
+SMALL = ["--train-limit", "48", "--test-limit", "24", "--batch-size", "16", "--device", "cpu",
+         "--lr", "0.05"]
+FINAL = re.compile(r"^final test accuracy: (\d+\.\d\d)%$")
+EPOCH = re.compile(r"^epoch\s+(\d+)/(\d+)\b")
+# what decides the numbers of an epoch (timings left out)
+RESULT_COLUMNS = ["epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr"]
+
+
+def clean_env(**extra):
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env.update(OMP_NUM_THREADS="2")
+    env.update(extra)
+    return env
+
+
+def run_script(script, *args, cwd, env=None, timeout=240):
+    return subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, args)],
+                          cwd=cwd, env=env or clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def ok(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout.splitlines()
+
+
+def one_error_line(proc, *needles):
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert str(needle) in lines[0], (needle, lines[0])
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def read_rows(out):
+    with open(os.path.join(out, "metrics.csv"), newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def results(rows):
+    return [float(r[k]) for r in rows for k in RESULT_COLUMNS]
+
+
+def check_run_outputs(out, log, epochs, trained, script):
+    """The files and the log of a finished run of `epochs` epochs that trained `trained`."""
+    # the log: one line per trained epoch, in order, then the final accuracy
+    epoch_lines = [m for m in map(EPOCH.match, log) if m]
+    assert [int(m.group(1)) for m in epoch_lines] == list(trained)
+    assert all(int(m.group(2)) == epochs for m in epoch_lines)
+    final = FINAL.match(log[-1])
+    assert final, log[-1]
+    # metrics.csv
+    fields, rows = read_rows(out)
+    assert fields[:len(COLUMNS)] == COLUMNS
+    assert set(fields[len(COLUMNS):]) <= {"images_per_s"}
+    assert [int(r["epoch"]) for r in rows] == list(range(1, epochs + 1))
+    for r in rows:
+        for k in fields:
+            float(r[k])
+        assert 0 <= float(r["train_acc"]) <= 100 and 0 <= float(r["test_acc"]) <= 100
+        assert float(r["epoch_seconds"]) > 0
+    assert [float(r["elapsed_seconds"]) for r in rows] == sorted(float(r["elapsed_seconds"])
+                                                                 for r in rows)
+    assert abs(float(final.group(1)) - float(rows[-1]["test_acc"])) < 0.0051
+    # curve.png: a real PNG picture
+    png = os.path.join(out, "curve.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+    with Image.open(png) as img:
+        img.load()
+        assert img.width > 100 and img.height > 100
+    # config.json: the arguments and the library versions
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    assert config["args"]["epochs"] == epochs
+    assert config["args"]["batch_size"] == 16
+    text = json.dumps(config)
+    import torchvision
+    assert torch.__version__ in text and torchvision.__version__ in text
+    # checkpoint.pt loads and holds the model after the last epoch
+    state = torch.load(os.path.join(out, "checkpoint.pt"), map_location="cpu",
+                       weights_only=False)
+    assert state["epoch"] == epochs
+    assert len(state["rows"]) == epochs
+    model = state["model"]
+    assert all(isinstance(v, torch.Tensor) for v in model.values())
+    assert not [n for n in os.listdir(out) if ".tmp" in n]
+    return rows, state
+
+
+# -------------------------------------------------------------------------- shared runs
+
+@pytest.fixture(scope="module")
+def cifar_run(cifar_dir, tmp_path_factory):
+    """An uninterrupted 2-epoch resnet_cifar100 run."""
+    work = tmp_path_factory.mktemp("cifar_run")
+    out = work / "out"
+    proc = run_script("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out,
+                      "--epochs", 2, *SMALL, cwd=work)
+    return out, ok(proc)
+
+
+def test_resnet_cifar100_end_to_end(cifar_run):
+    out, log = cifar_run
+    rows, state = check_run_outputs(str(out), log, 2, [1, 2], "resnet_cifar100")
+    assert "resumed" not in "\n".join(log)
+    assert state["model"]["fc.weight"].shape == (100, 256)
+    assert state["model"]["conv1.weight"].shape == (32, 3, 3, 3)
+
+
+def test_resnet_tinyimagenet_end_to_end(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    proc = run_script("resnet_tinyimagenet.py", "--data-dir", tiny_dir, "--out", out,
+                      "--epochs", 2, *SMALL, "--train-limit", "20", "--test-limit", "12",
+                      "--workers", "0", cwd=tmp_path)
+    log = ok(proc)
+    rows, state = check_run_outputs(str(out), log, 2, [1, 2], "resnet_tinyimagenet")
+    # one output per class of wnids.txt (200 in the real data set, 4 in the generated one)
+    wnids = (tiny_dir / "tiny-imagenet-200" / "wnids.txt").read_text().split()
+    assert state["model"]["fc.weight"].shape == (len(wnids), 256)
+    # the opening line tells the sizes (--train-limit 20, --test-limit 12, 64x64 images)
+    assert re.search(r"\b20\b", log[0]) and re.search(r"\b12\b", log[0]) and "64" in log[0]
+
+
+def test_pretrained_end_to_end_loads_weights(cifar_dir, tmp_path):
+    """--weights loads the file: with LR 0 the saved backbone equals the file's tensors."""
+    # not the session fixture: its seed 0 is also the scripts' default --seed, so a script
+    # that forgot to load the file would start from the very same tensors
+    resnet18_weights = make_resnet18_weights(tmp_path / "imagenet.pth", seed=1234)
+    out = tmp_path / "out"
+    proc = run_script("pretrained_cifar100.py", "--data-dir", cifar_dir, "--out", out,
+                      "--epochs", 2, *SMALL, "--lr", "0", "--weights", resnet18_weights,
+                      "--image-size", "32", cwd=tmp_path)
+    log = ok(proc)
+    assert any("loaded" in line and str(resnet18_weights) in line for line in log), log
+    rows, state = check_run_outputs(str(out), log, 2, [1, 2], "pretrained_cifar100")
+    assert all(float(r["lr"]) == 0 for r in rows)
+    source = torch.load(resnet18_weights, map_location="cpu", weights_only=True)
+    saved = state["model"]
+    assert saved["fc.weight"].shape == (100, 512)
+    compared = 0
+    for name, tensor in source.items():
+        if name.startswith("fc.") or name.endswith(("running_mean", "running_var",
+                                                     "num_batches_tracked")):
+            continue  # the new head; BN statistics move in training mode even at LR 0
+        torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0, msg=name)
+        compared += 1
+    import torchvision
+    backbone = [n for n, _ in torchvision.models.resnet18().named_parameters()
+                if not n.startswith("fc.")]
+    assert compared == len(backbone) == 60  # every conv and BN weight/bias of the backbone
+    # and they are not what the script's own (seed 0) initialisation would give
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        fresh = torchvision.models.resnet18().state_dict()
+    assert not torch.equal(fresh["conv1.weight"], saved["conv1.weight"])
+
+
+# -------------------------------------------------------------------------- resume, fresh, evaluate
+
+@pytest.fixture(scope="module")
+def resumed_run(cifar_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("resume")
+    out = work / "out"
+    args = ["--data-dir", cifar_dir, "--out", out, *SMALL]
+    first = ok(run_script("resnet_cifar100.py", *args, "--epochs", 1, cwd=work))
+    _, rows1 = read_rows(out)
+    second = ok(run_script("resnet_cifar100.py", *args, "--epochs", 2, cwd=work))
+    return work, out, args, first, rows1, second
+
+
+def test_resume_continues_where_it_stopped(resumed_run, cifar_run):
+    work, out, args, first, rows1, second = resumed_run
+    assert len(rows1) == 1
+    assert any(line.startswith("resumed") and "epoch 1" in line for line in second), second
+    rows, state = check_run_outputs(str(out), second, 2, [2], "resnet_cifar100")
+    assert rows[0] == rows1[0]  # row 1 kept as it was, timings included
+    # and the numbers equal those of the uninterrupted run
+    _, uninterrupted = read_rows(cifar_run[0])
+    assert results(rows) == pytest.approx(results(uninterrupted), rel=1e-4, abs=1e-6)
+
+
+def test_fresh_starts_over(resumed_run, cifar_run):
+    work, out, args, *_ = resumed_run
+    log = ok(run_script("resnet_cifar100.py", *args, "--epochs", 1, "--fresh", cwd=work))
+    assert not any("resumed" in line for line in log)
+    rows, state = check_run_outputs(str(out), log, 1, [1], "resnet_cifar100")
+    _, uninterrupted = read_rows(cifar_run[0])
+    assert results(rows) == pytest.approx(results(uninterrupted[:1]), rel=1e-4, abs=1e-6)
+
+
+def test_evaluate_reports_checkpoint_accuracy_and_writes_nothing(cifar_run, cifar_dir, tmp_path):
+    out, _ = cifar_run
+    before = snapshot_tree(out)
+    proc = run_script("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out, "--evaluate",
+                      *SMALL, cwd=tmp_path)
+    log = ok(proc)
+    assert not any(EPOCH.match(line) for line in log)
+    final = FINAL.match(log[-1])
+    assert final, log
+    _, rows = read_rows(out)
+    assert abs(float(final.group(1)) - float(rows[-1]["test_acc"])) < 0.0051
+    assert snapshot_tree(out) == before
+    assert os.listdir(tmp_path) == []
+
+
+def test_evaluate_without_checkpoint(cifar_dir, tmp_path):
+    out = tmp_path / "none"
+    proc = run_script("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out, "--evaluate",
+                      *SMALL, cwd=tmp_path)
+    one_error_line(proc, "--evaluate", os.path.join(str(out), "checkpoint.pt"))
+
+
+# -------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("script,folder", [("resnet_cifar100.py", "cifar-100-python"),
+                                           ("resnet_tinyimagenet.py", "tiny-imagenet-200"),
+                                           ("pretrained_cifar100.py", "cifar-100-python")])
+def test_missing_data(script, folder, tmp_path, resnet18_weights):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    weights = ["--weights", resnet18_weights] if script.startswith("pretrained") else []
+    proc = run_script(script, "--data-dir", data_dir, "--out", tmp_path / "out", "--epochs", 1,
+                      *SMALL, *weights, cwd=tmp_path)
+    one_error_line(proc, os.path.join(str(data_dir), folder), "--download")
+    assert os.listdir(data_dir) == []
+
+
+def _bad_weights(path, kind):
+    if kind == "wrong_keys":
+        torch.save({"features.0.weight": torch.zeros(3, 3)}, path)
+    elif kind == "resnet34":
+        import torchvision
+        torch.save(torchvision.models.resnet34().state_dict(), path)
+    elif kind == "whole_model":  # a pickled module, not a state_dict
+        import torchvision
+        torch.save(torchvision.models.resnet18(), path)
+    elif kind == "text":
+        path.write_text("not weights\n")
+    elif kind == "missing":
+        pass
+
+
+@pytest.mark.parametrize("kind", ["wrong_keys", "whole_model", "text", "missing"])
+def test_bad_weights_file(kind, cifar_dir, tmp_path):
+    path = tmp_path / f"{kind}.pth"
+    _bad_weights(path, kind)
+    proc = run_script("pretrained_cifar100.py", "--data-dir", cifar_dir, "--out", tmp_path / "out",
+                      "--epochs", 1, *SMALL, "--image-size", "32", "--weights", path,
+                      cwd=tmp_path)
+    line = one_error_line(proc, str(path))
+    assert "\x1b" not in line
+    assert not os.path.exists(tmp_path / "out" / "checkpoint.pt")
+
+
+def test_missing_weights_offline(cifar_dir, tmp_path):
+    torch_home = tmp_path / "torch_home"
+    torch_home.mkdir()
+    proxy = "http://127.0.0.1:9"
+    env = clean_env(TORCH_HOME=str(torch_home), https_proxy=proxy, http_proxy=proxy,
+                    HTTPS_PROXY=proxy, HTTP_PROXY=proxy)
+    for name in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
+        env.pop(name, None)
+    proc = run_script("pretrained_cifar100.py", "--data-dir", cifar_dir, "--out", tmp_path / "out",
+                      "--epochs", 1, *SMALL, "--image-size", "32", cwd=tmp_path, env=env,
+                      timeout=120)
+    one_error_line(proc, os.path.join(str(torch_home), "hub", "checkpoints"),
+                   "resnet18-f37072fd.pth", "--weights")
+    assert not os.path.exists(tmp_path / "out" / "checkpoint.pt")
+
+
+def test_unwritable_out(cifar_dir, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    out = blocker / "out"
+    proc = run_script("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out, "--epochs", 1,
+                      *SMALL, cwd=tmp_path)
+    one_error_line(proc, "--out", out)
+    assert blocker.read_text() == "x"
+
+
+# -------------------------------------------------------------------------- learning
+
+def test_learning_beats_chance(tmp_path):
+    """Ten classes of generated CIFAR data (images encode their class): 2 short epochs
+    reach far above the 10% of chance."""
+    folder = make_cifar100(tmp_path, n_train=128, n_test=60, num_classes=10, seed=0)
+    meta = folder / "meta"
+    with open(meta, "rb") as f:
+        m = pickle.load(f, encoding="bytes")
+    m[b"fine_label_names"] = [s.encode() for s in CIFAR100_FINE_LABEL_NAMES]  # 100 names
+    with open(meta, "wb") as f:
+        pickle.dump(m, f, protocol=2)
+    out = tmp_path / "out"
+    log = ok(run_script("resnet_cifar100.py", "--data-dir", tmp_path, "--out", out,
+                        "--epochs", 2, "--batch-size", 16, "--lr", "0.05",
+                        "--warmup-epochs", "0.5", "--device", "cpu", cwd=tmp_path))
+    _, rows = read_rows(out)
+    assert float(rows[-1]["test_acc"]) >= 40.0, log
+    assert float(rows[-1]["train_acc"]) > float(rows[0]["train_acc"]), log
