@@ -253,69 +253,48 @@ def decode_images(paths, size, workers):
 
 # ------------------------------------------------------------------ loading onto the device
 
-class DeviceLoader:
-    """Batches of an ImageSet, sharded over ranks and augmented on the training device.
+class ShardedLoader:
+    """This rank's share of a data set, in batches, finished on the training device.
 
     Training: a DistributedSampler gives this rank its shard of a permutation that changes
-    every epoch (`set_epoch`); each batch gets a random crop with zero padding and a
-    horizontal flip, drawn from a generator seeded by (seed, epoch, rank).  Test: this rank's
-    samples are ``rank::world_size``, unpadded, so that summing over ranks counts each test
-    sample exactly once.  Batches come out normalised, optionally resized (bilinear, on the
-    device) and in channels_last layout.
+    every epoch (`set_epoch`).  Test: this rank's samples are ``rank::world_size``, unpadded,
+    so that summing over ranks counts each test sample exactly once.  `finish` normalises a
+    uint8 batch on the device (and optionally resizes it and makes it channels_last).
     """
 
-    def __init__(self, data, batch_size, device, *, train, mean, std, rank=0, world_size=1,
-                 seed=0, pad=None, image_size=None, channels_last=False, augment=None):
-        self.images = data.images.to(device)
-        self.labels = data.labels.to(device)
-        self.batch_size, self.device, self.train = batch_size, torch.device(device), train
-        self.augment = train if augment is None else augment
-        self.rank, self.seed, self.epoch = rank, seed, 0
-        self.pad = data.images.shape[-1] // 8 if pad is None else pad
+    def __init__(self, size, batch_size, device, *, train, mean, std, rank=0, world_size=1,
+                 seed=0, image_size=None, channels_last=False):
+        self.size, self.batch_size, self.device = size, batch_size, torch.device(device)
+        self.train, self.rank, self.world_size, self.seed, self.epoch = train, rank, world_size, seed, 0
         self.image_size, self.channels_last = image_size, channels_last
         std = torch.tensor(std, device=device).view(1, 3, 1, 1)
         self.scale = 1.0 / (255.0 * std)
         self.shift = -torch.tensor(mean, device=device).view(1, 3, 1, 1) / std
+        self.sampler = None
         if train:
-            self.sampler = DistributedSampler(range(len(data)), num_replicas=world_size,
-                                              rank=rank, shuffle=True, seed=seed)
-            self.num_samples = self.sampler.num_samples
-        else:
-            self.sampler = None
-            self.num_samples = len(range(rank, len(data), world_size))
-        self.world_size = world_size
+            self.sampler = DistributedSampler(range(size), num_replicas=world_size, rank=rank,
+                                              shuffle=True, seed=seed)
 
     def set_epoch(self, epoch):
         self.epoch = epoch
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)
 
-    def __len__(self):
-        return math.ceil(self.num_samples / self.batch_size)
-
     def indices(self):
         if self.sampler is not None:
-            return torch.tensor(list(self.sampler), dtype=torch.int64)
-        return torch.arange(self.rank, len(self.labels), self.world_size)
+            return list(self.sampler)
+        return list(range(self.rank, self.size, self.world_size))
+
+    def __len__(self):
+        samples = self.sampler.num_samples if self.sampler is not None else \
+            len(range(self.rank, self.size, self.world_size))
+        return math.ceil(samples / self.batch_size)
 
     def __iter__(self):
         return self.batches()
 
     def batches(self, start=0):
-        """The epoch's batches from batch number `start` on (a resumed epoch skips the rest).
-
-        Each batch's augmentation is drawn from a generator seeded by (seed, epoch, rank,
-        batch number), so batch k is the same whether or not the epoch was interrupted.
-        """
-        order = self.indices().to(self.device)
-        gen = torch.Generator(self.device) if self.augment else None
-        for k in range(start, len(self)):
-            idx = order[k * self.batch_size:(k + 1) * self.batch_size]
-            x = self.images[idx]
-            if self.augment:
-                gen.manual_seed(hash((self.seed, self.epoch, self.rank, k)) % 2**63)
-                x = random_crop_flip(x, self.pad, gen)
-            yield self.finish(x), self.labels[idx]
+        raise NotImplementedError
 
     def finish(self, x):
         x = x.float() * self.scale + self.shift
@@ -325,6 +304,37 @@ class DeviceLoader:
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
+
+
+class DeviceLoader(ShardedLoader):
+    """Batches of an in-memory ImageSet, held and augmented on the training device.
+
+    Each training batch gets a random crop with zero padding (`pad`, default 1/8 of the side)
+    and a horizontal flip, drawn per batch; test batches are only normalised.
+    """
+
+    def __init__(self, data, batch_size, device, *, train, pad=None, augment=None, **shard):
+        super().__init__(len(data), batch_size, device, train=train, **shard)
+        self.images = data.images.to(device)
+        self.labels = data.labels.to(device)
+        self.augment = train if augment is None else augment
+        self.pad = data.images.shape[-1] // 8 if pad is None else pad
+
+    def batches(self, start=0):
+        """The epoch's batches from batch number `start` on (a resumed epoch skips the rest).
+
+        Each batch's augmentation is drawn from a generator seeded by (seed, epoch, rank,
+        batch number), so batch k is the same whether or not the epoch was interrupted.
+        """
+        order = torch.tensor(self.indices(), dtype=torch.int64, device=self.device)
+        gen = torch.Generator(self.device) if self.augment else None
+        for k in range(start, len(self)):
+            idx = order[k * self.batch_size:(k + 1) * self.batch_size]
+            x = self.images[idx]
+            if self.augment:
+                gen.manual_seed(hash((self.seed, self.epoch, self.rank, k)) % 2**63)
+                x = random_crop_flip(x, self.pad, gen)
+            yield self.finish(x), self.labels[idx]
 
 
 def random_crop_flip(x, pad, gen):
