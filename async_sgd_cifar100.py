@@ -126,12 +126,14 @@ def work(model, loader, args, run, start_epoch):
             raise
         raise PeerLost(f"worker {run.rank} lost the parameter server "
                        f"({str(exc).splitlines()[0][-160:]})") from None
+    release = torch.zeros(1)
     try:
-        dist.recv(torch.zeros(1), src=0)  # released once the server's outputs are written
+        dist.recv(release, src=0)  # released once the server's outputs are written
     except RuntimeError as exc:  # this worker's part is done either way
         print(f"worker {run.rank}: done, but the server did not release it "
               f"({str(exc).splitlines()[0][-100:]})", flush=True)
-    return sent
+        return False
+    return release.item() == 0  # 0: the run succeeded and everyone meets at a last barrier
 
 
 # ----------------------------------------------------------------------------- server
@@ -239,8 +241,9 @@ class Server:
             self.trainer.save(self.version // self.updates_per_epoch,
                               extra={"updates": self.version})
         if not isinstance(failure, PeerLost):  # after a timeout gloo has closed every pair
+            status = torch.tensor([0.0 if failure is None else failure.exit_code])
             for worker in finished:
-                dist.send(torch.zeros(1), dst=worker)  # release it
+                dist.send(status, dst=worker)  # release it
         if failure is not None:
             raise failure
 
@@ -323,8 +326,9 @@ def main(argv=None):
             Server(trainer, n_workers, updates_per_epoch).serve()
             if trainer.rows:
                 run.log(f"final test accuracy: {trainer.rows[-1]['test_acc']:.2f}%")
-        else:
-            work(model, train_loader, args, run, trainer.start_epoch)
+            comm.finish()
+        elif work(model, train_loader, args, run, trainer.start_epoch):
+            comm.finish()
     finally:
         comm.close()
 

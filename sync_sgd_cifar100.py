@@ -138,6 +138,7 @@ def main(argv=None):
                              grad_sync=grad_sync, comm=comm)
     try:
         trainer.evaluate_checkpoint() if args.evaluate else trainer.fit()
+        comm.finish()
     finally:
         comm.close()
 

@@ -164,6 +164,12 @@ class Comm:
                 dist.all_reduce(buf.data)
                 buf.data /= self.world_size
 
+    def finish(self):
+        """After a successful run: wait until every rank is done with its collectives, so
+        that none tears gloo down while another is still completing one."""
+        if self.world_size > 1:
+            dist.barrier()
+
     def close(self):
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -109,6 +109,7 @@ def _sync_worker(rank, world, port, divide_by, result_path):
     params = train_steps(model, loader_for(16, rank, world), 2, reducer.wait)
     if rank == 0:
         torch.save(params, result_path)
+    dist.barrier()  # both ranks done with every collective before either tears gloo down
     dist.destroy_process_group()
 
 
@@ -142,6 +143,7 @@ def _broadcast_worker(rank, world, port, result_path):
     Comm(Launch("test", rank, world)).broadcast_parameters(model)
     after = torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values()])
     torch.save((before, after), f"{result_path}.{rank}")
+    dist.barrier()
     dist.destroy_process_group()
 
 
