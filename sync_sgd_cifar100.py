@@ -34,10 +34,11 @@ class BucketedAllReduce:
     autograd has accumulated it; a full bucket is divided by the world size and all-reduced
     asynchronously while backward goes on.  Buckets are launched strictly in order, so every
     rank issues the same sequence of collectives.  `wait()` completes the reductions and points
-    each `.grad` at its averaged slice.
+    each `.grad` at its averaged slice.  Each slice is viewed with its parameter's strides (as
+    DDP does), so channels_last weights get channels_last gradients and no copy transposes.
     """
 
-    def __init__(self, model, world_size, bucket_mb=4.0):
+    def __init__(self, model, world_size, bucket_mb=25.0):
         self.world_size = world_size
         params = [p for p in model.parameters() if p.requires_grad]
         self.buckets, sizes, size = [[]], [0], 0
@@ -63,8 +64,12 @@ class BucketedAllReduce:
         self.handles = [None] * len(self.buckets)
         self.next = 0
 
+    def _slice(self, b, offset, param):
+        """Bucket b's slice for `param`, laid out with the parameter's own strides."""
+        return self.flat[b][offset:offset + param.numel()].as_strided(param.shape, param.stride())
+
     def _ready(self, b, offset, param):
-        self.flat[b][offset:offset + param.numel()].view_as(param).copy_(param.grad)
+        self._slice(b, offset, param).copy_(param.grad)
         self.arrived[b] += 1
         while self.next < len(self.buckets) and \
                 self.arrived[self.next] == len(self.buckets[self.next]):
@@ -84,7 +89,7 @@ class BucketedAllReduce:
         for b, handle in enumerate(self.handles):
             handle.wait()
             for p, offset in self.slices[b]:
-                p.grad = self.flat[b][offset:offset + p.numel()].view_as(p)
+                p.grad = self._slice(b, offset, p)
         self._reset()
 
 
@@ -97,7 +102,8 @@ def parse_args(argv=None):
                    help="average with torch's DistributedDataParallel instead (comparison)")
     g.add_argument("--sync-bn", action="store_true",
                    help="BatchNorm statistics over the global batch (SyncBatchNorm)")
-    g.add_argument("--bucket-mb", type=float, default=4.0, help="size of all_reduce buckets")
+    g.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="size of all_reduce buckets (DDP's default size; see BENCHMARKS.md)")
     return parser.parse_args(argv)
 
 
