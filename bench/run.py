@@ -1,0 +1,126 @@
+"""Run the benchmarks of the HW4 ResNet project; print tables and write them all as JSON.
+
+    python bench/run.py             # everything (about 9 minutes on 2 idle CPU cores)
+    python bench/run.py --quick     # fewer steps and worker counts (about 2.5 minutes idle)
+    python bench/run.py --only step,exchange --json out.json
+
+1. step      training step: our loop vs the batch in place vs torchvision's per-sample
+             pipeline; the data path alone; fp32 / channels_last / bf16 on CPU
+2. exchange  sync SGD gradient exchange: bucketed all_reduce (ours) vs DDP vs one blocking
+             all_reduce per parameter, 2 and 4 ranks (gloo; nccl with >= 2 GPUs)
+3. ps        async SGD parameter server: updates/s and busy fraction, 1..8 workers
+4. gpu       CUDA only: resnet_cifar100.py epoch time, fraction of bf16 peak, options
+
+BENCHMARKS.md explains each and holds the results.  Timings are only as good as the machine's
+quiet: the load average and how busy the CPUs were before each benchmark are recorded.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import util  # noqa: E402  (sets sys.path for the repository)
+from util import Skip, log  # noqa: E402
+
+BENCHMARKS = ("step", "exchange", "ps", "gpu")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--quick", action="store_true", help="fewer repetitions, steps and workers")
+    p.add_argument("--only", default=",".join(BENCHMARKS),
+                   help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    p.add_argument("--json", metavar="PATH",
+                   help="where to write the results (default bench/results/<date>.json)")
+    p.add_argument("--workers", type=int, default=2,
+                   help="DataLoader workers of the reference pipeline")
+    args = p.parse_args(argv)
+    args.only = [b.strip() for b in args.only.split(",") if b.strip()]
+    unknown = set(args.only) - set(BENCHMARKS)
+    if unknown:
+        p.error(f"--only: unknown benchmark(s) {', '.join(sorted(unknown))}")
+    return args
+
+
+def run_benchmark(name, args):
+    if name == "step":
+        import training
+        return training.run(args.quick, workers=args.workers)
+    if name == "exchange":
+        import exchange
+        return exchange.run(args.quick)
+    if name == "ps":
+        import param_server
+        return param_server.run(args.quick)
+    if name == "gpu":
+        import gpu
+        return gpu.run(args.quick)
+    raise ValueError(name)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    now = datetime.datetime.now()
+    path = args.json or os.path.join(util.BENCH_DIR, "results",
+                                     now.strftime("%Y-%m-%d_%H%M%S") + (
+                                         "_quick" if args.quick else "") + ".json")
+    machine = util.machine_info()
+    log(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']} GiB, "
+        f"torch {machine['torch']} ({machine['torch_threads']} threads), CUDA "
+        f"{'yes: ' + ', '.join(machine.get('gpus', [])) if machine['cuda_available'] else 'no'}")
+    result = {"date": now.isoformat(timespec="seconds"), "quick": args.quick,
+              "argv": sys.argv[1:], "machine": machine, "benchmarks": {}}
+    total = time.perf_counter()
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        os.replace(path + ".tmp", path)
+
+    failed = False
+    for name in BENCHMARKS:
+        if name not in args.only:
+            continue
+        before = util.load_snapshot()
+        log(f"\n=== {name} | load average {before['loadavg']} | CPUs busy before start "
+            f"{before['cpu_busy_while_idle']} ===")
+        start = time.perf_counter()
+        meter = util.OthersMeter()
+        entry = {"load_before": before}
+        try:
+            entry["result"] = run_benchmark(name, args)
+        except Skip as exc:
+            entry["skipped"] = str(exc)
+            log(f"skipped: {exc}")
+        except Exception as exc:  # record it and go on with the next benchmark
+            failed = True
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        entry["seconds"] = round(time.perf_counter() - start, 1)
+        entry["tables"] = util.TABLES[:]
+        util.TABLES.clear()
+        entry["load_after"] = util.load_snapshot(sample_seconds=0)
+        entry["others"] = meter.stop()
+        result["benchmarks"][name] = entry
+        others = entry["others"] or {}
+        log(f"=== {name}: {entry['seconds']:.0f} s | load average after "
+            f"{entry['load_after']['loadavg']} | other processes used "
+            f"{100 * others.get('others_share_of_capacity', float('nan')):.1f} % of the CPUs "
+            f"meanwhile ===")
+        save()
+    result["total_seconds"] = round(time.perf_counter() - total, 1)
+    save()
+    log(f"\ntotal {result['total_seconds']:.0f} s; results written to {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
