@@ -24,19 +24,13 @@ def atomic_write(path, write):
 
 
 def rng_state():
+    """The generators' state at save time, kept for inspection: a resumed run does not need it,
+    since every epoch's shuffling, augmentation and dropout are derived from (seed, epoch, rank)."""
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
              "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
-
-
-def set_rng_state(state):
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save(path, *, script, arch, model, optimizer, scheduler, epoch, rows, args, extra=None):

@@ -58,11 +58,6 @@ def _fmt(value):
     return f"{value:.6g}" if isinstance(value, float) else value
 
 
-def read_metrics(path):
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def plot_curve(out, rows, title, target=None):
     """curve.png: test accuracy per epoch (train accuracy beside it, the target as a line)."""
     import matplotlib
