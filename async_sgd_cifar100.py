@@ -311,7 +311,8 @@ def main(argv=None):
     updates_per_epoch = math.ceil(per_worker / args.batch_size) * n_workers
 
     model = build_model(args.arch, len(train_set.classes), args.dropout)
-    model = engine.prepare_model(model, run)
+    # The server never trains: a contiguous copy halves its work per update (BENCHMARKS.md).
+    model = engine.prepare_model(model, run) if comm.rank else model.to(run.device)
     trainer = engine.Trainer(model, None, test_loader, args, run, arch=args.arch,
                              target=TARGET if args.dataset == "cifar100" else None,
                              comm=comm, steps_per_epoch=updates_per_epoch)

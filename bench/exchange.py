@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from util import REPO_ROOT, SMOKE, default_amp, log, median, precision_name, spread, table
+from util import (REPO_ROOT, SMOKE, default_amp, log, median, out_of_time, precision_name,
+                  spread, table)
 
 BATCH = 128
 COMPUTE = "compute only (no exchange)"
@@ -216,6 +217,10 @@ def run_world(world, backend, quick):
 def run(quick):
     out = {}
     for world in (2, 4):
+        if out_of_time(90 if quick else 300):
+            out[f"gloo_{world}"] = {"skipped": "time budget spent"}
+            log(f"[2] {world} ranks skipped: time budget spent")
+            continue
         log(f"[2] gradient exchange, gloo on CPU, {world} ranks")
         for res in run_world(world, "gloo", quick):
             out[f"gloo_{world}_batch{res['batch']}"] = res

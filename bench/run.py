@@ -41,7 +41,12 @@ def parse_args(argv=None):
                    help="where to write the results (default bench/results/<date>.json)")
     p.add_argument("--workers", type=int, default=2,
                    help="DataLoader workers of the reference pipeline")
+    p.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="skip what would not finish in this time (default: 510 with --quick, "
+                        "so that it ends within 10 minutes even on a loaded machine; else none)")
     args = p.parse_args(argv)
+    if args.budget is None:
+        args.budget = 510.0 if args.quick else 0.0
     args.only = [b.strip() for b in args.only.split(",") if b.strip()]
     unknown = set(args.only) - set(BENCHMARKS)
     if unknown:
@@ -78,6 +83,7 @@ def main(argv=None):
     result = {"date": now.isoformat(timespec="seconds"), "quick": args.quick,
               "argv": sys.argv[1:], "machine": machine, "benchmarks": {}}
     total = time.perf_counter()
+    util.set_budget(args.budget)
 
     def save():
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -88,6 +94,11 @@ def main(argv=None):
     failed = False
     for name in BENCHMARKS:
         if name not in args.only:
+            continue
+        if util.out_of_time(30):
+            msg = f"skipped: the --budget of {args.budget:.0f} s is spent"
+            log(f"\n=== {name}: {msg} ===")
+            result["benchmarks"][name] = {"skipped": msg}
             continue
         before = util.load_snapshot()
         log(f"\n=== {name} | load average {before['loadavg']} | CPUs busy before start "
@@ -109,12 +120,17 @@ def main(argv=None):
         util.TABLES.clear()
         entry["load_after"] = util.load_snapshot(sample_seconds=0)
         entry["others"] = meter.stop()
-        result["benchmarks"][name] = entry
         others = entry["others"] or {}
+        # other processes taking more than a tenth of the CPUs distort the timings
+        entry["reliable"] = others.get("others_share_of_capacity", 0.0) <= 0.10
+        result["benchmarks"][name] = entry
         log(f"=== {name}: {entry['seconds']:.0f} s | load average after "
             f"{entry['load_after']['loadavg']} | other processes used "
             f"{100 * others.get('others_share_of_capacity', float('nan')):.1f} % of the CPUs "
             f"meanwhile ===")
+        if not entry["reliable"]:
+            log(f"WARNING: other processes used more than 10 % of the CPUs during {name}: "
+                "its timings are distorted; run it again on a quiet machine")
         save()
     result["total_seconds"] = round(time.perf_counter() - total, 1)
     save()

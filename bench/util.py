@@ -19,6 +19,20 @@ for _p in (REPO_ROOT, BENCH_DIR):
         sys.path.insert(0, _p)
 
 
+_deadline = None
+
+
+def set_budget(seconds):
+    """From now, `out_of_time` says whether `seconds` have (nearly) run out (0: no budget)."""
+    global _deadline
+    _deadline = time.monotonic() + seconds if seconds else None
+
+
+def out_of_time(need_seconds):
+    """True when the next piece of work (about `need_seconds`) would overrun the budget."""
+    return _deadline is not None and time.monotonic() + need_seconds > _deadline
+
+
 def log(*parts):
     print(*parts, flush=True)
 
