@@ -1,7 +1,7 @@
 """Run the benchmarks of the HW4 ResNet project; print tables and write them all as JSON.
 
-    python bench/run.py             # everything (about 9 minutes on 2 idle CPU cores)
-    python bench/run.py --quick     # fewer steps and worker counts (about 2.5 minutes idle)
+    python bench/run.py             # everything (about 10 minutes on 2 idle CPU cores)
+    python bench/run.py --quick     # fewer steps and worker counts (about 2 minutes idle)
     python bench/run.py --only step,exchange --json out.json
 
 1. step      training step: our loop vs the batch in place vs torchvision's per-sample
