@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import checkpoint, outputs
+from . import checkpoint, data, outputs
 from .distributed import is_peer_failure
 from .errors import Interrupted, NonFiniteLoss, PeerLost, UserError
+from .model import count_parameters
 
 LOG_EVERY = 50  # steps between progress updates / non-finite checks (each costs a device sync)
 
@@ -127,8 +128,7 @@ def evaluate(model, loader, run, reduce=None):
 
 def describe(run, args, model, train_set, test_set, batch):
     """The log's opening line: what trains on what, where, and how (the precision included)."""
-    from .data import describe as sizes
-    from .model import count_parameters
+    sizes = data.describe
     precision = "bf16 autocast + channels_last" if run.amp else "fp32"
     run.log(f"{run.script}: {args.arch} on {args.dataset}, {count_parameters(model):,} parameters"
             f" | train {sizes(train_set)}, test {sizes(test_set)} | {batch} | "
