@@ -50,8 +50,14 @@ class Layout:
         self.message_size = HEADER + self.n_params + self.n_buffers
         self.reply_size = 1 + self.n_params
 
-    def flat_params(self):
-        return torch.cat([p.detach().reshape(-1) for p in self.params]).cpu()
+    def write_params(self, out):
+        """Concatenate the parameters straight into `out` (a CPU message) when they are on the
+        CPU: one pass over 14 MB instead of two."""
+        flat = [p.detach().reshape(-1) for p in self.params]
+        if flat[0].device == out.device:
+            torch.cat(flat, out=out)
+        else:
+            out.copy_(torch.cat(flat))
 
     def load_params(self, flat):
         for p, chunk in zip(self.params, flat.to(self.params[0].device).split(
@@ -59,9 +65,11 @@ class Layout:
             p.data.copy_(chunk.view_as(p))
 
     def pack_gradient(self, message):
-        grads = [p.grad.reshape(-1) for p in self.params]
-        bufs = [b.reshape(-1) for b in self.buffers]
-        message[HEADER:].copy_(torch.cat(grads + bufs))
+        flat = [p.grad.reshape(-1) for p in self.params] + [b.reshape(-1) for b in self.buffers]
+        if flat[0].device == message.device:
+            torch.cat(flat, out=message[HEADER:])
+        else:
+            message[HEADER:].copy_(torch.cat(flat))
 
     def unpack_gradient(self, message):
         """Set each .grad and BN buffer from a received message (the latest worker's stats)."""
@@ -226,7 +234,7 @@ class Server:
         if worker in self.pending:
             self.pending[worker].wait()  # the previous reply to it has left the buffer
         self.reply[worker][0] = status
-        self.reply[worker][1:] = self.layout.flat_params()
+        self.layout.write_params(self.reply[worker][1:])
         self.pending[worker] = dist.isend(self.reply[worker], dst=worker)
         self.sent_version[worker] = self.version
 
