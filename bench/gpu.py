@@ -6,8 +6,8 @@
    of the GPU's dense bf16 peak that makes (FLOPs per training image = 3 x the forward FLOPs
    counted by torch.utils.flop_counter.FlopCounterMode).
 2. Options, each on a batch already on the GPU (forward + backward + the scripts' optimizer
-   step): fp32 (TF32), channels_last, bf16 autocast, both, batch 256 and 512, the fused SGD
-   kernel, torch.compile, and torch.compile(mode="reduce-overhead") (CUDA graphs).
+   step, fused SGD as in the scripts): fp32 (TF32), channels_last, bf16 autocast, both, the
+   foreach SGD kernel instead of the fused one, batch 256 and 512, torch.compile, and torch.compile(mode="reduce-overhead") (CUDA graphs).
 
 Without CUDA the benchmark is skipped with a message.  `BENCH_GPU_DRYRUN=1` runs the same
 code on the CPU with tiny sizes, to check it where no GPU is available (numbers meaningless).
@@ -75,12 +75,12 @@ def option_runs(device, dry, quick, flops):
     base = HW4ResNet(100)
     steps, warm = (2, 1) if dry else ((30, 10) if quick else (100, 20))
     options = [
-        # name, batch, bf16, channels_last, compile mode, fused SGD
+        # name, batch, bf16, channels_last, compile mode, foreach SGD (not the fused default)
         ("fp32 (TF32)", 128, False, False, None, False),
         ("fp32 + channels_last", 128, False, True, None, False),
         ("bf16 autocast", 128, True, False, None, False),
         ("bf16 autocast + channels_last (script default)", 128, True, True, None, False),
-        ("  + fused SGD", 128, True, True, None, True),
+        ("  with foreach SGD instead of fused", 128, True, True, None, True),
         ("  + batch 256", 256, True, True, None, False),
         ("  + batch 512", 512, True, True, None, False),
         ("  + torch.compile", 128, True, True, "default", False),
@@ -91,18 +91,18 @@ def option_runs(device, dry, quick, flops):
         options = [o for o in options if o[1] == 128 and o[4] is None][:3] + \
                   [("  + torch.compile", 128, True, True, "default", False)]
     rows = []
-    for name, batch, bf16, cl, mode, fused in options:
+    for name, batch, bf16, cl, mode, foreach in options:
         row = {"option": name, "batch": batch}
         s = None
         try:
             s = Setup(base, device, amp=bf16, channels_last=cl)
-            if fused:
+            if foreach:
                 from common import engine
                 from training import trainer_args
                 groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
                           for g in s.trainer.optimizer.param_groups]
                 s.trainer.optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9,
-                                                      nesterov=True, fused=True)
+                                                      nesterov=True, foreach=True)
                 s.trainer.scheduler = engine.make_scheduler(s.trainer.optimizer,
                                                             trainer_args(), 100_000)
             compile_s = None
