@@ -88,7 +88,7 @@ def option_runs(device, dry, quick, flops):
          False),
     ]
     if dry:
-        options = [o for o in options if o[1] == 128 and o[4] is None][:3] + \
+        options = [o for o in options if o[1] == 128 and o[4] is None] + \
                   [("  + torch.compile", 128, True, True, "default", False)]
     rows = []
     for name, batch, bf16, cl, mode, foreach in options:
