@@ -18,6 +18,8 @@ for _p in (REPO_ROOT, BENCH_DIR):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from common.cli import precision_name  # noqa: E402  (re-exported: the scripts' own label)
+
 
 _deadline = None
 
@@ -208,10 +210,6 @@ def default_amp(device):
     except ImportError:  # before the CPU bf16 default existed: CUDA only
         return device.type == "cuda"
     return bool(project_default(device))
-
-
-def precision_name(amp):
-    return "bf16 autocast + channels_last" if amp else "fp32"
 
 
 def table(title, header, rows):

@@ -106,6 +106,11 @@ def add_workload_args(parser, *, dataset, arch, image_size_help=None):
     return g
 
 
+def precision_name(amp):
+    """How the scripts compute: `--amp` means bf16 autocast with channels_last tensors."""
+    return "bf16 autocast + channels_last" if amp else "fp32"
+
+
 @dataclass
 class Run:
     """Where a process runs and what it may write."""
@@ -120,6 +125,10 @@ class Run:
     @property
     def is_main(self):
         return self.rank == 0
+
+    @property
+    def precision(self):
+        return precision_name(self.amp)
 
     def log(self, *parts):
         if self.is_main:

@@ -134,10 +134,9 @@ def evaluate(model, loader, run, reduce=None):
 def describe(run, args, model, train_set, test_set, batch):
     """The log's opening line: what trains on what, where, and how (the precision included)."""
     sizes = data.describe
-    precision = "bf16 autocast + channels_last" if run.amp else "fp32"
     run.log(f"{run.script}: {args.arch} on {args.dataset}, {count_parameters(model):,} parameters"
             f" | train {sizes(train_set)}, test {sizes(test_set)} | {batch} | "
-            f"device {run.device}, precision {precision}")
+            f"device {run.device}, precision {run.precision}")
 
 
 def epoch_line(row, epochs):
@@ -218,7 +217,7 @@ class Trainer:
         if self.run.is_main:
             outputs.write_config(self.run.out, self.args, self.run.device, script=self.run.script,
                                  arch=self.arch, world_size=self.run.world_size,
-                                 precision="bf16+channels_last" if self.run.amp else "fp32",
+                                 precision=self.run.precision,
                                  resumed_after_epoch=self.start_epoch, **extra)
 
     # -- loop --------------------------------------------------------------------------
