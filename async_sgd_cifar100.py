@@ -259,17 +259,12 @@ class Server:
         trainer, run = self.trainer, self.run
         seconds = time.perf_counter() - self.started
         test_loss, test_acc = engine.evaluate(trainer.model, trainer.test_loader, run)
-        loss_sum, correct, samples = self.totals
         epoch = math.ceil(self.version / self.updates_per_epoch)
         updates = len(self.staleness)
-        row = {"epoch": epoch, "train_loss": loss_sum / samples, "train_acc": 100 * correct / samples,
-               "test_loss": test_loss, "test_acc": test_acc,
-               "lr": self.lr, "epoch_seconds": seconds,
-               "elapsed_seconds": (trainer.rows[-1]["elapsed_seconds"] if trainer.rows else 0)
-               + seconds, "images_per_s": samples / seconds, "updates": self.version,
-               "updates_per_s": updates / seconds,
-               "mean_staleness": sum(self.staleness) / updates,
-               "max_staleness": max(self.staleness), "server_busy": self.busy / seconds}
+        row = trainer.row(epoch, self.totals, test_loss, test_acc, self.lr, seconds, seconds)
+        row.update(updates=self.version, updates_per_s=updates / seconds,
+                   mean_staleness=sum(self.staleness) / updates,
+                   max_staleness=max(self.staleness), server_busy=self.busy / seconds)
         trainer.rows.append(row)
         run.log(engine.epoch_line(row, trainer.args.epochs) +
                 f" | {row['updates_per_s']:.1f} updates/s | staleness mean "

@@ -262,11 +262,16 @@ class Trainer:
             self.comm.average_buffers(self.model)
         test_loss, test_acc = evaluate(self.model, self.test_loader, self.run, self.reduce)
         seconds = partial["seconds"] + time.perf_counter() - start  # training + evaluation
+        return self.row(epoch + 1, totals, test_loss, test_acc, lr, seconds, train_seconds)
+
+    def row(self, epoch, totals, test_loss, test_acc, lr, seconds, train_seconds):
+        """A metrics.csv row; `totals` = (loss sum, correct, samples) of the training."""
+        loss_sum, correct, samples = totals
         elapsed = (self.rows[-1]["elapsed_seconds"] if self.rows else 0.0) + seconds
-        return {"epoch": epoch + 1, "train_loss": totals[0] / totals[2],
-                "train_acc": 100.0 * totals[1] / totals[2], "test_loss": test_loss,
+        return {"epoch": epoch, "train_loss": loss_sum / samples,
+                "train_acc": 100.0 * correct / samples, "test_loss": test_loss,
                 "test_acc": test_acc, "lr": lr, "epoch_seconds": seconds,
-                "elapsed_seconds": elapsed, "images_per_s": totals[2] / train_seconds}
+                "elapsed_seconds": elapsed, "images_per_s": samples / train_seconds}
 
     def fit(self):
         self.resume()
