@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from common import data
-from common.distributed import Comm, Launch, detect_launch, free_port
+from common.distributed import Comm, Launch, detect_launch, free_port, import_before_init
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
@@ -99,6 +99,7 @@ def loader_for(global_batch, rank, world):
 def _sync_worker(rank, world, port, divide_by, result_path):
     from sync_sgd_cifar100 import BucketedAllReduce
     torch.set_num_threads(1)
+    import_before_init()  # as init_distributed does (see there)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     torch.manual_seed(rank)  # different seeds: the broadcast must make them equal
@@ -134,6 +135,7 @@ def test_sync_sgd_on_two_ranks_equals_one_process_with_the_global_batch(tmp_path
 
 def _broadcast_worker(rank, world, port, result_path):
     torch.set_num_threads(1)
+    import_before_init()  # as init_distributed does (see there)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     from common.model import HW4ResNet
