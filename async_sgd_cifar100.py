@@ -39,6 +39,15 @@ HEADER = 4
 CONTINUE = 0.0
 
 
+def _cat_into(tensors, out):
+    """Concatenate straight into `out` (a CPU message) when the tensors are on the CPU too: one
+    pass over 14 MB instead of two."""
+    if tensors[0].device == out.device:
+        torch.cat(tensors, out=out)
+    else:
+        out.copy_(torch.cat(tensors))
+
+
 class Layout:
     """Where each parameter and BatchNorm buffer sits in the flat messages."""
 
@@ -51,13 +60,7 @@ class Layout:
         self.reply_size = 1 + self.n_params
 
     def write_params(self, out):
-        """Concatenate the parameters straight into `out` (a CPU message) when they are on the
-        CPU: one pass over 14 MB instead of two."""
-        flat = [p.detach().reshape(-1) for p in self.params]
-        if flat[0].device == out.device:
-            torch.cat(flat, out=out)
-        else:
-            out.copy_(torch.cat(flat))
+        _cat_into([p.detach().reshape(-1) for p in self.params], out)
 
     def load_params(self, flat):
         for p, chunk in zip(self.params, flat.to(self.params[0].device).split(
@@ -65,11 +68,8 @@ class Layout:
             p.data.copy_(chunk.view_as(p))
 
     def pack_gradient(self, message):
-        flat = [p.grad.reshape(-1) for p in self.params] + [b.reshape(-1) for b in self.buffers]
-        if flat[0].device == message.device:
-            torch.cat(flat, out=message[HEADER:])
-        else:
-            message[HEADER:].copy_(torch.cat(flat))
+        _cat_into([p.grad.reshape(-1) for p in self.params] +
+                  [b.reshape(-1) for b in self.buffers], message[HEADER:])
 
     def unpack_gradient(self, message):
         """Set each .grad and BN buffer from a received message (the latest worker's stats)."""
@@ -133,13 +133,13 @@ def work(model, loader, args, run, start_epoch):
         if not distributed.is_peer_failure(exc):
             raise
         raise PeerLost(f"worker {run.rank} lost the parameter server "
-                       f"({str(exc).splitlines()[0][-160:]})") from None
+                       f"({distributed.failure_line(exc)})") from None
     release = torch.zeros(1)
     try:
         dist.recv(release, src=0)  # released once the server's outputs are written
     except RuntimeError as exc:  # this worker's part is done either way
         print(f"worker {run.rank}: done, but the server did not release it "
-              f"({str(exc).splitlines()[0][-100:]})", flush=True)
+              f"({distributed.failure_line(exc, 100)})", flush=True)
         return False
     return release.item() == 0  # 0: the run succeeded and everyone meets at a last barrier
 
@@ -303,13 +303,11 @@ def main(argv=None):
     n_workers = comm.world_size - 1
     train_set, test_set = data.load_datasets(args.dataset, args)
     # Workers shard the training set among themselves; the server alone evaluates.
-    mean, std = data.normalization(args.dataset)
-    common = dict(mean=mean, std=std, image_size=args.image_size)
     if comm.rank == 0:
-        train_loader, test_loader = None, data.test_loader(test_set, args, run, **common)
+        train_loader, test_loader = None, data.test_loader(test_set, args, run)
     else:
         train_loader, test_loader = data.train_loader(
-            train_set, args, run, rank=comm.rank - 1, world_size=n_workers, **common), None
+            train_set, args, run, rank=comm.rank - 1, world_size=n_workers), None
     per_worker = math.ceil(len(train_set) / n_workers)  # DistributedSampler's shard size
     updates_per_epoch = math.ceil(per_worker / args.batch_size) * n_workers
 

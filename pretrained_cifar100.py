@@ -35,9 +35,8 @@ def main(argv=None):
                         f"{' or '.join(weights.NAMES)} (or resnet_cifar100.py for hw4)")
     run = cli.setup_run(args, SCRIPT)
     train_set, test_set = data.load_datasets(args.dataset, args)
-    mean, std = data.normalization(args.dataset, pretrained=True)
-    train_loader, test_loader = data.make_loaders(train_set, test_set, args, run, mean=mean,
-                                                  std=std, image_size=args.image_size)
+    train_loader, test_loader = data.make_loaders(train_set, test_set, args, run,
+                                                  pretrained=True)
     net = build_model(args.arch, len(train_set.classes))
     model = engine.prepare_model(net, run)
     trainer = engine.Trainer(model, train_loader, test_loader, args, run, arch=args.arch,

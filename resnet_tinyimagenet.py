@@ -23,9 +23,7 @@ def main(argv=None):
     args = parse_args(argv)
     run = cli.setup_run(args, SCRIPT)
     train_set, test_set = data.load_datasets(args.dataset, args)
-    mean, std = data.normalization(args.dataset)
-    train_loader, test_loader = data.make_loaders(train_set, test_set, args, run, mean=mean,
-                                                  std=std, image_size=args.image_size)
+    train_loader, test_loader = data.make_loaders(train_set, test_set, args, run)
     model = build_model(args.arch, len(train_set.classes), args.dropout)
     model = engine.prepare_model(model, run)
     engine.describe(run, args, model, train_set, test_set, f"batch {args.batch_size}")

@@ -41,7 +41,7 @@ class BucketedAllReduce:
     def __init__(self, model, world_size, bucket_mb=25.0):
         self.world_size = world_size
         params = [p for p in model.parameters() if p.requires_grad]
-        self.buckets, sizes, size = [[]], [0], 0
+        self.buckets, sizes = [[]], [0]
         for p in reversed(params):
             if self.buckets[-1] and (sizes[-1] + p.numel()) * 4 > bucket_mb * 2**20:
                 self.buckets.append([])
@@ -119,10 +119,8 @@ def main(argv=None):
     comm = distributed.init_distributed(args, run.device, launch)
 
     train_set, test_set = data.load_datasets(args.dataset, args)
-    mean, std = data.normalization(args.dataset)
     train_loader, test_loader = data.make_loaders(
-        train_set, test_set, args, run, mean=mean, std=std, batch_size=per_rank,
-        rank=comm.rank, world_size=world, image_size=args.image_size)
+        train_set, test_set, args, run, batch_size=per_rank, rank=comm.rank, world_size=world)
 
     model = build_model(args.arch, len(train_set.classes), args.dropout)
     model = engine.prepare_model(model, run)

@@ -363,33 +363,35 @@ def normalization(name, pretrained=False):
     return SPECS[name].mean, SPECS[name].std
 
 
-def _loader(data, batch_size, args, run, train, mean, std, rank, world_size, image_size):
+def _loader(data, batch_size, args, run, train, pretrained, rank, world_size):
+    mean, std = normalization(args.dataset, pretrained)
     if isinstance(data, ImageSet):
         return DeviceLoader(data, batch_size, run.device, train=train, mean=mean, std=std,
                             rank=rank, world_size=world_size, seed=args.seed,
-                            image_size=image_size, channels_last=run.amp)
+                            image_size=args.image_size, channels_last=run.amp)
     from .imagefolder import FolderLoader
     return FolderLoader(data, batch_size, run.device, train=train, mean=mean, std=std,
                         rank=rank, world_size=world_size, seed=args.seed, workers=args.workers,
                         channels_last=run.amp)
 
 
-def train_loader(train_set, args, run, *, mean, std, batch_size=None, rank=0, world_size=1,
-                 image_size=None):
-    """This rank's shard of the training set; `batch_size` is per rank (default --batch-size)."""
-    return _loader(train_set, batch_size or args.batch_size, args, run, True, mean, std, rank,
-                   world_size, image_size)
+def train_loader(train_set, args, run, *, pretrained=False, batch_size=None, rank=0,
+                 world_size=1):
+    """This rank's shard of the training set; `batch_size` is per rank (default --batch-size).
+    Normalised with `normalization(args.dataset, pretrained)`, resized to --image-size."""
+    return _loader(train_set, batch_size or args.batch_size, args, run, True, pretrained, rank,
+                   world_size)
 
 
-def test_loader(test_set, args, run, *, mean, std, rank=0, world_size=1, image_size=None):
-    return _loader(test_set, max(args.batch_size, 256), args, run, False, mean, std, rank,
-                   world_size, image_size)
+def test_loader(test_set, args, run, *, pretrained=False, rank=0, world_size=1):
+    return _loader(test_set, max(args.batch_size, 256), args, run, False, pretrained, rank,
+                   world_size)
 
 
-def make_loaders(train_set, test_set, args, run, *, mean, std, batch_size=None,
-                 rank=0, world_size=1, image_size=None):
+def make_loaders(train_set, test_set, args, run, *, pretrained=False, batch_size=None,
+                 rank=0, world_size=1):
     """Training and test loaders of this rank."""
-    shard = dict(mean=mean, std=std, rank=rank, world_size=world_size, image_size=image_size)
+    shard = dict(pretrained=pretrained, rank=rank, world_size=world_size)
     return (train_loader(train_set, args, run, batch_size=batch_size, **shard),
             test_loader(test_set, args, run, **shard))
 

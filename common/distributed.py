@@ -17,7 +17,6 @@ import os
 import socket
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from .errors import UserError
@@ -109,6 +108,12 @@ def is_peer_failure(exc):
     text = str(exc)
     return any(marker in text for marker in (
         "gloo", "Connection reset", "Connection closed", "Timed out", "NCCL", "timed out"))
+
+
+def failure_line(exc, limit=160):
+    """The end of the first line of a collective's error: where the useful part is (gloo and
+    NCCL prefix it with long source locations)."""
+    return str(exc).splitlines()[0][-limit:] if str(exc) else type(exc).__name__
 
 
 def resolve_backend(name, device):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint, data, outputs
-from .distributed import is_peer_failure
+from .distributed import failure_line, is_peer_failure
 from .errors import Interrupted, NonFiniteLoss, PeerLost, UserError
 from .model import count_parameters
 
@@ -295,7 +295,7 @@ class Trainer:
                 raise
             kept = f"epoch {len(self.rows)}" if self.rows else "none yet"
             raise PeerLost(f"rank {self.run.rank} lost contact with another rank "
-                           f"({str(exc).splitlines()[0][-160:]}); the last good checkpoint "
+                           f"({failure_line(exc)}); the last good checkpoint "
                            f"({kept}) is kept in {self.run.out}; restart the job to resume") from None
         if self.rows:
             self.run.log(f"final test accuracy: {self.rows[-1]['test_acc']:.2f}%")

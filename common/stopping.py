@@ -12,23 +12,17 @@ import threading
 class StopRequest:
     def __init__(self):
         self.signum = None
-        self._previous = {}
 
     def install(self):
         if threading.current_thread() is not threading.main_thread():
             return self
         for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
+            signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
         self.signum = signum
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: now
-
-    def uninstall(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
 
     @property
     def name(self):

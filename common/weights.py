@@ -23,6 +23,11 @@ def imagenet_weights(arch):
     return {"resnet18": models.ResNet18_Weights, "resnet50": models.ResNet50_Weights}[arch].DEFAULT
 
 
+def weights_file(arch):
+    """The file name torchvision's weights API caches, e.g. resnet18-f37072fd.pth."""
+    return os.path.basename(imagenet_weights(arch).url)
+
+
 def load_imagenet_state_dict(arch, path=None):
     """Return an ImageNet state_dict for `arch`, from `path` or through torchvision."""
     if path is not None:
@@ -31,24 +36,23 @@ def load_imagenet_state_dict(arch, path=None):
     try:
         return weights.get_state_dict(progress=False, check_hash=True)
     except (OSError, RuntimeError) as exc:  # URLError is an OSError
-        file = os.path.basename(weights.url)
         raise UserError(
             f"cannot get the ImageNet {NAMES[arch]} weights ({exc.__class__.__name__}: {exc}); "
-            f"offline? copy {file} (from {weights.url}) into {hub_checkpoint_dir()} "
+            f"offline? copy {weights_file(arch)} (from {weights.url}) into {hub_checkpoint_dir()} "
             f"or pass --weights PATH") from None
 
 
 def _read_state_dict(path, arch):
     if not os.path.isfile(path):
         raise UserError(f"--weights {path}: no such file; copy "
-                        f"{os.path.basename(imagenet_weights(arch).url)} there or point --weights at it")
+                        f"{weights_file(arch)} there or point --weights at it")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch's own message is many lines: name the class only
         raise UserError(f"--weights {path}: not a readable PyTorch state_dict "
                         f"({exc.__class__.__name__}); expected a file written by "
                         f"torch.save(model.state_dict()), such as "
-                        f"{os.path.basename(imagenet_weights(arch).url)}") from None
+                        f"{weights_file(arch)}") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
