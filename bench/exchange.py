@@ -21,13 +21,14 @@ is the slowest rank's.  With CUDA and at least 2 GPUs the same runs use nccl, on
 """
 import inspect
 import os
-import socket
 import time
 
 import torch
 
-from util import (REPO_ROOT, SMOKE, default_amp, log, median, out_of_time, precision_name,
-                  spread, table)
+from util import (SMOKE, default_amp, log, median, out_of_time, precision_name,
+                  spread, sync, table)
+
+from common.distributed import free_port, import_before_init
 
 BATCH = 128
 COMPUTE = "compute only (no exchange)"
@@ -35,19 +36,8 @@ DDP = "DDP (25 MB buckets)"
 PER_PARAM = "per-parameter blocking all_reduce"
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, cfg, queue):
-    import sys
-    for p in (REPO_ROOT, os.path.dirname(os.path.abspath(__file__))):
-        if p not in sys.path:
-            sys.path.insert(0, p)
     import torch.distributed as dist
-    from common.distributed import import_before_init
 
     torch.set_num_threads(cfg["threads"])
     device = torch.device("cuda", rank) if cfg["backend"] == "nccl" else torch.device("cpu")
@@ -134,13 +124,11 @@ def _measure(rank, world, device, cfg, run):
             "communication only: per-parameter all_reduce": comm_per_param}
 
     def timed(fn, n):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         dist.barrier()
         start = time.perf_counter()
         fn(n)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         if cfg["backend"] == "nccl":
             elapsed = elapsed.to(device)

@@ -68,7 +68,7 @@ def script_epoch(device, dry, quick):
 
 def option_runs(device, dry, quick, flops):
     """images/s of the training step under each option, on a batch already in place."""
-    from training import Setup
+    from training import Setup, timed
     from common.model import HW4ResNet
 
     torch.manual_seed(0)
@@ -105,28 +105,14 @@ def option_runs(device, dry, quick, flops):
                                                       nesterov=True, foreach=True)
                 s.trainer.scheduler = engine.make_scheduler(s.trainer.optimizer,
                                                             trainer_args(), 100_000)
-            compile_s = None
             if mode:
                 s.model = torch.compile(s.model, mode=mode)
             x = s.prepare(torch.randn(batch, 3, 32, 32, device=device))
             y = torch.randint(0, 100, (batch,), device=device)
-            start = time.perf_counter()
-            for _ in range(warm):
-                s.train_step(x, y)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if mode:
-                compile_s = time.perf_counter() - start
-            times = []
-            for _ in range(3):
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    s.train_step(x, y)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
+            step = s.train_step
+            warm_s = timed(lambda: _repeat(step, x, y, warm), device)
+            compile_s = warm_s if mode else None
+            times = [timed(lambda: _repeat(step, x, y, steps), device) for _ in range(3)]
             ips = batch * steps / median(times)
             row.update(images_per_s=ips, ms_per_step=1e3 * median(times) / steps,
                        tflops=ips * 3 * flops / 1e12, warmup_s=compile_s)
@@ -139,6 +125,11 @@ def option_runs(device, dry, quick, flops):
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _repeat(train_step, x, y, n):
+    for _ in range(n):
+        train_step(x, y)
 
 
 def run(quick):

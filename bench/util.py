@@ -18,7 +18,7 @@ for _p in (REPO_ROOT, BENCH_DIR):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from common.cli import precision_name  # noqa: E402  (re-exported: the scripts' own label)
+from common.cli import precision_name  # noqa: E402,F401  (re-exported: the scripts' own label)
 
 
 _deadline = None
@@ -202,14 +202,10 @@ TABLES = []  # every table printed, in order: run.py stores them in the JSON
 
 
 def default_amp(device):
-    """The scripts' default precision on `device`: bf16 autocast + channels_last or fp32."""
+    """The scripts' default precision on `device` ("cpu", "cuda" or a torch.device)."""
     import torch
-    device = torch.device(device)
-    try:
-        from common.cli import default_amp as project_default
-    except ImportError:  # before the CPU bf16 default existed: CUDA only
-        return device.type == "cuda"
-    return bool(project_default(device))
+    from common.cli import default_amp as project_default
+    return project_default(torch.device(device))
 
 
 def table(title, header, rows):

@@ -2,7 +2,6 @@
 import json
 import os
 import pickle
-import shutil
 import subprocess
 import sys
 

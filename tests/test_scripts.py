@@ -4,7 +4,6 @@ import json
 import os
 import pickle
 import re
-import shutil
 import subprocess
 import sys
 

@@ -4,13 +4,11 @@ import os
 import shutil
 import subprocess
 import sys
-from argparse import Namespace
 
 import pytest
 import torch
 
 from common import data
-from common.cli import Run
 from common.imagefolder import FolderLoader, read_imagefolder
 from common.model import build_model
 from datagen import tiny_label_from_image
@@ -77,7 +75,6 @@ def test_resnet50_is_torchvision_v1_5():
 def test_imagefolder_loader_recipe_and_labels(imagefolder_dir):
     train_set, val_set = read_imagefolder(str(imagefolder_dir), image_size=40)
     assert train_set.classes == sorted(os.listdir(imagefolder_dir / "train"))
-    run = Run("t", "", torch.device("cpu"), amp=False)
     mean, std = data.IMAGENET_MEAN, data.IMAGENET_STD
     train = FolderLoader(train_set, 5, "cpu", train=True, mean=mean, std=std, workers=0)
     val = FolderLoader(val_set, 5, "cpu", train=False, mean=mean, std=std, workers=0)
