@@ -68,7 +68,7 @@ def script_epoch(device, dry, quick):
 
 def option_runs(device, dry, quick, flops):
     """images/s of the training step under each option, on a batch already in place."""
-    from training import Setup, timed
+    from training import Setup, in_place_variant, timed
     from common.model import HW4ResNet
 
     torch.manual_seed(0)
@@ -93,7 +93,7 @@ def option_runs(device, dry, quick, flops):
     rows = []
     for name, batch, bf16, cl, mode, foreach in options:
         row = {"option": name, "batch": batch}
-        s = None
+        s = train = None
         try:
             s = Setup(base, device, amp=bf16, channels_last=cl)
             if foreach:
@@ -107,12 +107,12 @@ def option_runs(device, dry, quick, flops):
                                                             trainer_args(), 100_000)
             if mode:
                 s.model = torch.compile(s.model, mode=mode)
-            x = s.prepare(torch.randn(batch, 3, 32, 32, device=device))
+            x = torch.randn(batch, 3, 32, 32, device=device)
             y = torch.randint(0, 100, (batch,), device=device)
-            step = s.train_step
-            warm_s = timed(lambda: _repeat(step, x, y, warm), device)
+            train = in_place_variant(s, x, y, steps)
+            warm_s = timed(lambda: train(warm), device)
             compile_s = warm_s if mode else None
-            times = [timed(lambda: _repeat(step, x, y, steps), device) for _ in range(3)]
+            times = [timed(train, device) for _ in range(3)]
             ips = batch * steps / median(times)
             row.update(images_per_s=ips, ms_per_step=1e3 * median(times) / steps,
                        tflops=ips * 3 * flops / 1e12, warmup_s=compile_s)
@@ -121,15 +121,10 @@ def option_runs(device, dry, quick, flops):
         log(f"    {name}: " + (f"{row['images_per_s']:.0f} images/s" if "images_per_s" in row
                                else row["error"]))
         rows.append(row)
-        del s
+        s = train = None  # free this option's model before the next one
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-def _repeat(train_step, x, y, n):
-    for _ in range(n):
-        train_step(x, y)
 
 
 def run(quick):
