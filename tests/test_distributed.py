@@ -14,25 +14,15 @@ from torch import nn
 
 from common import data
 from common.distributed import Comm, Launch, detect_launch, free_port, import_before_init
+from helpers import ROOT, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
                       + os.environ.get("PATH", ""))
 TIMEOUT = 240  # no distributed test may hang
 
 
-def env_for_children(**extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(key, None)
-    env.update(extra)
-    return env
-
-
 def run(cmd, **env):
-    result = subprocess.run(cmd, cwd=ROOT, env=env_for_children(**env), capture_output=True,
+    result = subprocess.run(cmd, cwd=ROOT, env=child_env(**env), capture_output=True,
                             text=True, timeout=TIMEOUT)
     assert result.returncode == 0, f"{cmd} failed:\n{result.stdout}\n{result.stderr}"
     return result.stdout + result.stderr
@@ -238,7 +228,7 @@ def test_pytorchjob_environment_by_hand(cifar_dir, tmp_path):
     port = str(free_port())
     cmd = [sys.executable, "sync_sgd_cifar100.py", *tiny_args(cifar_dir, out, "--epochs", "1")]
     contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2")
-    worker = subprocess.Popen(cmd, cwd=ROOT, env=env_for_children(RANK="1", **contract),
+    worker = subprocess.Popen(cmd, cwd=ROOT, env=child_env(RANK="1", **contract),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         log = run(cmd, RANK="0", **contract)
@@ -301,7 +291,7 @@ def test_async_sgd_workers_of_different_speeds_stop_cleanly(cifar_dir, tmp_path)
 def test_async_sgd_needs_two_processes(cifar_dir, tmp_path):
     result = subprocess.run([sys.executable, "async_sgd_cifar100.py",
                              *tiny_args(cifar_dir, tmp_path / "one")], cwd=ROOT,
-                            env=env_for_children(), capture_output=True, text=True,
+                            env=child_env(), capture_output=True, text=True,
                             timeout=TIMEOUT)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "at least 2 processes" in result.stderr

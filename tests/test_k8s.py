@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import last_value
+
 yaml = pytest.importorskip("yaml", reason="pyyaml is needed (requirements-dev.txt)")
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is needed (requirements-dev.txt)")
@@ -441,13 +443,6 @@ def test_scripts_named_in_the_package_exist():
 IMAGENET_EXAMPLE = "examples/resnet50-imagenet-mpijob"
 
 
-def _last(argv, flag):
-    """The value argparse keeps for `flag`: its last occurrence."""
-    found = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
-    assert found, f"{flag} is not on the command line {argv}"
-    return found[-1]
-
-
 def _parse_with_the_script(script, argv):
     """The script's own argparse namespace for `argv`, as a dict (a subprocess, so that
     torch is imported there and not into this test process)."""
@@ -488,13 +483,13 @@ def test_imagenet_example_runs_resnet50_fp32_over_two_mpi_workers(kubectl, tmp_p
     assert py[0] == params["SCRIPT"]
     script_argv = py[1:]
     # ARGS comes after the overlay's own --data-dir/--out, so its values are the ones kept.
-    data_dir = _last(script_argv, "--data-dir")
+    data_dir = last_value(script_argv, "--data-dir")
     assert data_dir.startswith(params["DATASET_DIR"].rstrip("/") + "/"), data_dir
     assert "$" not in data_dir, f"--data-dir {data_dir} was not expanded"
-    out = _last(script_argv, "--out")
+    out = last_value(script_argv, "--out")
     assert out.startswith(params["OUTPUT_DIR"].rstrip("/") + "/") and "$" not in out, out
-    assert _last(script_argv, "--dataset") == "imagefolder"
-    assert _last(script_argv, "--arch") == "resnet50"
+    assert last_value(script_argv, "--dataset") == "imagefolder"
+    assert last_value(script_argv, "--arch") == "resnet50"
     assert "--no-amp" in script_argv and "--amp" not in script_argv
     assert "--fresh" not in script_argv and "--dummy" not in script_argv
 
@@ -550,7 +545,7 @@ def test_imagenet_example_takes_storage_and_identity_from_its_overlay(kubectl, t
     # The data path of the run follows DATASET_DIR.
     argv = _run_command(rs["Launcher"]["template"]["spec"]["containers"][0], tmp_path, {
         "OMPI_MCA_orte_default_hostfile": str(_hostfile(tmp_path, 2))})
-    assert _last(argv, "--data-dir") == new["DATASET_DIR"] + "/imagenet"
+    assert last_value(argv, "--data-dir") == new["DATASET_DIR"] + "/imagenet"
 
 
 def _hostfile(tmp_path, workers):
@@ -615,8 +610,8 @@ def test_imagenet_single_node_variant_from_the_readme(kubectl, overlay, tmp_path
     assert container["image"] == params["IMAGE"] and container["volumeMounts"]
     argv = _run_command(container, tmp_path, {})
     assert argv[:2] == ["python", script]
-    assert _last(argv, "--data-dir") == params["DATASET_DIR"] + "/imagenet"
-    assert _last(argv, "--out").startswith(params["OUTPUT_DIR"] + "/")
+    assert last_value(argv, "--data-dir") == params["DATASET_DIR"] + "/imagenet"
+    assert last_value(argv, "--out").startswith(params["OUTPUT_DIR"] + "/")
     assert "--no-amp" in argv
     ns = _parse_with_the_script(script, argv[2:])
     assert (ns["dataset"], ns["arch"], ns["amp"]) == ("imagefolder", "resnet50", False)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import last_value
+
 REPO = Path(__file__).resolve().parent.parent
 PBS = REPO / "pbs"
 SCRIPTS = ["resnet_cifar100.py", "resnet_tinyimagenet.py", "pretrained_cifar100.py",
@@ -231,13 +233,6 @@ def test_dry_run_with_fake_scheduler_tools(job, tmp_path):
 IMAGENET_JOB = PBS / "resnet50_imagenet.sbatch"
 
 
-def _last(argv, flag):
-    """The value argparse keeps for `flag`: its last occurrence."""
-    found = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
-    assert found, f"{flag} is not on the command line {argv}"
-    return found[-1]
-
-
 def test_imagenet_job_runs_resnet50_fp32_on_an_image_folder(tmp_path):
     """Seed 001's workload under Slurm: ResNet-50 v1.5, FP32, ImageNet layout in DATA_DIR."""
     assert IMAGENET_JOB in SLURM_JOBS
@@ -248,11 +243,11 @@ def test_imagenet_job_runs_resnet50_fp32_on_an_image_folder(tmp_path):
     assert re.search(r"^#SBATCH --nodes=2\s*$", text, re.M), "2 processes, as the seed's 2 workers"
     argv, home = dry_run(IMAGENET_JOB, tmp_path)
     args = argv[argv.index(script) + 1:]
-    assert _last(args, "--dataset") == "imagefolder"
-    assert _last(args, "--arch") == "resnet50"
+    assert last_value(args, "--dataset") == "imagefolder"
+    assert last_value(args, "--arch") == "resnet50"
     assert "--no-amp" in args and "--amp" not in args
-    assert _last(args, "--data-dir") == str(home / "scratch" / "imagenet")
-    out = _last(args, "--out")
+    assert last_value(args, "--data-dir") == str(home / "scratch" / "imagenet")
+    out = last_value(args, "--out")
     assert out.startswith(str(home)) and Path(out).is_dir() and "imagenet" in out
     # The script's own parser reads the ImageNet recipe from this command line.
     code = ("import json, sys\n"

@@ -14,17 +14,9 @@ import torch
 from common import checkpoint
 from common.distributed import free_port
 from datagen import make_cifar100, make_tinyimagenet
+from helpers import ROOT, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 240
-
-
-def child_env(**extra):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(key, None)
-    env.update(extra)
-    return env
 
 
 def cmd(script, data_dir, out, *extra):

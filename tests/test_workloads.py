@@ -12,18 +12,10 @@ from common import data
 from common.imagefolder import FolderLoader, read_imagefolder
 from common.model import build_model
 from datagen import tiny_label_from_image
+from helpers import ROOT, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
                       + os.environ.get("PATH", ""))
-
-
-def child_env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(key, None)
-    return env
 
 
 def resnet50_args(folder, out, *extra):
