@@ -1,11 +1,13 @@
-"""The Kubernetes package in k8s/: every overlay renders with `kubectl kustomize`,
-the rendered objects are valid, the custom resources carry what their operators
-need, and a parameter set in an overlay's params.yaml lands where it belongs.
+"""The Kubernetes package in k8s/: every overlay renders with `kubectl kustomize`
+(the same bytes with every kubectl), the rendered objects are valid, the custom
+resources carry what their operators need, and a parameter set in an overlay's
+params.yaml lands where it belongs.
 
 kubectl: the `kubectl` on PATH, or the binaries named in $KUBECTL (one path, or
 several separated by ':'), e.g. KUBECTL=/usr/bin/kubectl:/opt/k120/usr/bin/kubectl
 to check both kustomize v5 and the kustomize v2.0 embedded in kubectl 1.20.
 """
+import copy
 import json
 import os
 import re
@@ -34,7 +36,12 @@ OVERLAYS = {
     "multi-node/user-allocated-pvc": ("MPIJob", "pvc"),
     "pytorchjob/cpu": ("PyTorchJob", "pvc"),
     "pytorchjob/gpu": ("PyTorchJob", "pvc"),
+    "trainjob/torch/user-mounted-nfs": ("TrainJob", "nfs"),
+    "trainjob/torch/user-allocated-pvc": ("TrainJob", "pvc"),
+    "trainjob/mpi/user-mounted-nfs": ("TrainJob", "nfs"),
+    "trainjob/mpi/user-allocated-pvc": ("TrainJob", "pvc"),
 }
+TRAINJOBS = sorted(o for o, (kind, _) in OVERLAYS.items() if kind == "TrainJob")
 # Examples: overlays of an overlay. They set the workload (SCRIPT, ARGS, WORKERS, pod
 # size); the storage, image and identity come from the overlay they are built on.
 EXAMPLES = {
@@ -46,6 +53,13 @@ COMMON_PARAMS = ["IMAGE", "SCRIPT", "ARGS", "DATASET_DIR", "OUTPUT_DIR"]
 STORAGE_PARAMS = {"nfs": ["NFS_SERVER", "NFS_PATH"], "pvc": ["PVC_NAME", "PVC_PATH"]}
 ALL_PARAMS = (COMMON_PARAMS + STORAGE_PARAMS["nfs"] + STORAGE_PARAMS["pvc"]
               + ["USER_ID", "GROUP_ID", "FS_ID", "WORKERS"])
+# Kubeflow Trainer v2: the label of the replicated job whose container "node" the
+# TrainJob's trainer settings go to, and the variables a TrainJob may not set.
+TRAINER_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
+RESERVED_ENV = {"torch": {"PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK",
+                          "PET_MASTER_ADDR", "PET_MASTER_PORT"},
+                "mpi": {"OMPI_MCA_orte_default_hostfile", "OMPI_MCA_plm_rsh_args",
+                        "OMPI_MCA_orte_keep_fqdn_hostnames", "OMPI_MCA_orte_set_default_slots"}}
 SCRIPTS = ["resnet_cifar100.py", "resnet_tinyimagenet.py", "pretrained_cifar100.py",
            "sync_sgd_cifar100.py", "async_sgd_cifar100.py"]
 
@@ -111,18 +125,82 @@ def pod_specs(docs):
         elif d["kind"] == "PyTorchJob":
             for role, rs in d["spec"]["pytorchReplicaSpecs"].items():
                 yield role, rs["template"]["spec"]
+        elif d["kind"] == "TrainJob":
+            for role, job_spec in trainjob_jobs(docs):
+                yield role, job_spec["template"]["spec"]
+
+
+def runtime_of(docs):
+    """The TrainingRuntime a TrainJob names, from the same rendering."""
+    ref = one(docs, "TrainJob")["spec"]["runtimeRef"]
+    found = [d for d in docs if d["kind"] == ref.get("kind")
+             and d["metadata"]["name"] == ref.get("name")]
+    assert len(found) == 1, f"runtimeRef {ref} names no rendered runtime"
+    return found[0]
+
+
+def is_trainer_job(replicated_job):
+    labels = replicated_job["template"].get("metadata", {}).get("labels", {})
+    return labels.get(TRAINER_LABEL) == "trainer"
+
+
+def trainjob_jobs(docs):
+    """(replicated job name, Job spec) of the Jobs the Kubeflow Trainer makes of a
+    TrainJob and its runtime: the runtime's Job templates, with the TrainJob's
+    trainer image, command, args and env in the container "node" of the job
+    labelled as the trainer, and the securityContext of each runtimePatches entry
+    in the pods of the job it names. (What the Trainer adds by itself -- PET_*, the
+    MPI hostfile and keys, the Job counts -- is left out.)"""
+    job = one(docs, "TrainJob")["spec"]
+    trainer = job.get("trainer", {})
+    contexts = {}
+    for patch in job.get("runtimePatches", []):
+        for rj in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+            pod_patch = rj.get("template", {}).get("spec", {}).get("template", {}).get("spec", {})
+            contexts.setdefault(rj["name"], {}).update(pod_patch.get("securityContext", {}))
+    for rj in runtime_of(docs)["spec"]["template"]["spec"]["replicatedJobs"]:
+        job_spec = copy.deepcopy(rj["template"]["spec"])
+        pod = job_spec["template"]["spec"]
+        if contexts.get(rj["name"]):
+            pod["securityContext"] = {**pod.get("securityContext", {}), **contexts[rj["name"]]}
+        if is_trainer_job(rj):
+            for c in pod["containers"]:
+                if c["name"] != "node":
+                    continue
+                c.update({k: trainer[k] for k in ("image", "command", "args") if k in trainer})
+                env = {e["name"]: e for e in c.get("env", []) + trainer.get("env", [])}
+                if env:
+                    c["env"] = list(env.values())
+        yield rj["name"], job_spec
 
 
 def training_specs(docs):
     """The pod specs whose container runs (or launches) the training script."""
+    kind = docs_kind(docs)
+    if kind == "TrainJob":
+        jobs = runtime_of(docs)["spec"]["template"]["spec"]["replicatedJobs"]
+        trainer = [rj["name"] for rj in jobs if is_trainer_job(rj)]
+        return [(role, spec) for role, spec in pod_specs(docs) if role in trainer]
     return [(role, spec) for role, spec in pod_specs(docs) if role != "Worker"
-            or docs_kind(docs) == "PyTorchJob"]
+            or kind == "PyTorchJob"]
+
+
+def mounts_storage(kind, role):
+    """Whether the pod of `role` mounts the storage: all but the MPI launchers, which
+    only run mpirun."""
+    return not ((kind == "MPIJob" and role == "Launcher")
+                or (kind == "TrainJob" and role == "launcher"))
 
 
 def docs_kind(docs):
-    kinds = {d["kind"] for d in docs} & {"Pod", "MPIJob", "PyTorchJob"}
+    kinds = {d["kind"] for d in docs} & {"Pod", "MPIJob", "PyTorchJob", "TrainJob"}
     assert len(kinds) == 1, kinds
     return kinds.pop()
+
+
+def is_operator_resource(doc):
+    """A custom resource (Kubeflow's operators), which the Kubernetes schemas do not know."""
+    return doc["apiVersion"].split("/")[0] in ("kubeflow.org", "trainer.kubeflow.org")
 
 
 def command_text(container):
@@ -178,14 +256,20 @@ def test_overlay_renders_valid_objects(kubectl, overlay):
                        kubernetes_validate.utils.latest_version()})
     for version in versions:
         for d in docs:
-            if d["apiVersion"].startswith("kubeflow.org/"):
+            if is_operator_resource(d):
                 continue
             kubernetes_validate.validate(d, version, strict=True)
-        # The pods inside the custom resources are validated as Pods.
+        # The pods inside the custom resources are validated as Pods, and the Jobs a
+        # TrainJob's runtime makes as Jobs.
         for role, spec in pod_specs(docs):
             pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": role.lower()},
                    "spec": spec}
             kubernetes_validate.validate(pod, version, strict=True)
+        if kind == "TrainJob":
+            for role, job_spec in trainjob_jobs(docs):
+                job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": role},
+                       "spec": job_spec}
+                kubernetes_validate.validate(job, version, strict=True)
     params = params_of(docs)
     assert set(COMMON_PARAMS + STORAGE_PARAMS[storage]) <= set(params)
 
@@ -201,7 +285,7 @@ def test_pods_run_as_the_user_and_mount_the_storage(kubectl, overlay):
         identities.add((sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"]))
         for key in ("runAsUser", "runAsGroup", "fsGroup"):
             assert isinstance(sc[key], int), f"{role}: {key} is not a number"
-        if kind == "MPIJob" and role == "Launcher":
+        if not mounts_storage(kind, role):
             continue                      # mpirun only: no data volumes
         shared = [v for v in spec["volumes"] if v["name"] == "shared"]
         assert len(shared) == 1, f"{role}: no volume 'shared'"
@@ -234,6 +318,14 @@ def test_restarts_resume_from_a_fixed_out(kubectl, overlay):
         elif d["kind"] == "PyTorchJob":
             specs = d["spec"]["pytorchReplicaSpecs"].values()
             assert all(rs["restartPolicy"] == "OnFailure" for rs in specs)
+        elif d["kind"] == "TrainingRuntime":
+            # A failed pod fails its Job at once, and the JobSet restarts all the pods
+            # together (torchrun's static rendezvous and mpirun need the whole group).
+            js = d["spec"]["template"]["spec"]
+            assert js["failurePolicy"]["maxRestarts"] >= 1, "no restart: the run cannot resume"
+            for rj in js["replicatedJobs"]:
+                assert rj["template"]["spec"]["backoffLimit"] == 0, rj["name"]
+                assert rj["template"]["spec"]["template"]["spec"]["restartPolicy"] == "Never"
     for role, spec in training_specs(docs):
         text = command_text(spec["containers"][0])
         assert '--out "$OUTPUT_DIR/$run"' in text, role
@@ -251,6 +343,8 @@ def test_mpijob_has_what_the_mpi_operator_needs(kubectl):
         spec = job["spec"]
         assert spec["slotsPerWorker"] == 1
         assert spec["sshAuthMountPath"] == "/home/mpiuser/.ssh"
+        # The launcher starts once sshd listens in every Worker (mpi-operator >= v0.5).
+        assert spec["launcherCreationPolicy"] == "WaitForWorkersReady"
         assert "runPolicy" in spec and "cleanPodPolicy" in spec["runPolicy"]
         rs = spec["mpiReplicaSpecs"]
         assert set(rs) == {"Launcher", "Worker"}
@@ -264,6 +358,8 @@ def test_mpijob_has_what_the_mpi_operator_needs(kubectl):
         worker = rs["Worker"]["template"]["spec"]["containers"][0]
         assert worker["command"] == ["/usr/sbin/sshd"]
         assert worker["args"][:1] == ["-De"] and "/home/mpiuser/.sshd_config" in worker["args"]
+        assert worker["readinessProbe"]["tcpSocket"]["port"] == 2222, (
+            "a Worker is Ready (for WaitForWorkersReady) when its sshd listens")
         for c in (launcher, worker):
             assert c["image"] == params["IMAGE"]
 
@@ -294,6 +390,112 @@ def test_pytorchjob_has_what_the_training_operator_needs(kubectl):
                 assert "nvidia.com/gpu" not in limits
 
 
+def test_trainjob_has_what_kubeflow_trainer_v2_needs(kubectl):
+    """The TrainJob overlays against the Trainer v2 API (trainer.kubeflow.org/v1alpha1,
+    v2.2 and later): the TrainJob names its runtime, which comes with it; the trainer
+    settings reach the container "node" of the job labelled as the trainer; the pods
+    that train mount the storage; runtimePatches only name jobs the runtime has."""
+    for overlay in TRAINJOBS:
+        _, docs = render(kubectl, K8S / overlay)
+        params = params_of(docs)
+        job = one(docs, "TrainJob")
+        assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+        ref = job["spec"]["runtimeRef"]
+        assert ref["apiGroup"] == "trainer.kubeflow.org"
+        assert ref["kind"] == "TrainingRuntime", "a namespaced runtime, rendered with the job"
+        runtime = runtime_of(docs)
+        assert runtime["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+        policies = {"torch", "mpi", "jax", "xgboost", "flux"} & set(runtime["spec"]["mlPolicy"])
+        framework = overlay.split("/")[1]
+        assert policies == {framework}, f"{overlay}: ML policy {policies}"
+
+        trainer = job["spec"]["trainer"]
+        assert trainer["image"] == params["IMAGE"]
+        assert trainer["command"] and trainer["args"]
+        assert isinstance(trainer["numNodes"], int) and trainer["numNodes"] >= 1
+        assert trainer["numProcPerNode"] == 1
+        reserved = {e["name"] for e in trainer.get("env", [])} & RESERVED_ENV[framework]
+        assert not reserved, f"{overlay}: the Trainer refuses a TrainJob setting {reserved}"
+        text = command_text(trainer)
+        assert f"script='{params['SCRIPT']}'" in text
+        assert '--out "$OUTPUT_DIR/$run"' in text and "--fresh" not in text
+        launcher = {"torch": "torchrun", "mpi": "mpirun"}[framework]
+        assert re.search(rf"^\s*exec {launcher}\b", text, re.M), (
+            f"{overlay}: the script is not started by {launcher}")
+
+        jobset = runtime["spec"]["template"]["spec"]
+        jobs = {rj["name"]: rj for rj in jobset["replicatedJobs"]}
+        trainers = [name for name, rj in jobs.items() if is_trainer_job(rj)]
+        assert len(trainers) == 1, f"{overlay}: jobs labelled as the trainer: {trainers}"
+        trainer_job = jobs[trainers[0]]
+        assert trainer_job.get("replicas", 1) == 1
+        containers = trainer_job["template"]["spec"]["template"]["spec"]["containers"]
+        assert [c for c in containers if c["name"] == "node"], "the trainer has no container node"
+        effective = dict(pod_specs(docs))
+        if framework == "torch":
+            assert set(jobs) == {"node"} and trainers == ["node"]
+        else:
+            mpi = runtime["spec"]["mlPolicy"]["mpi"]
+            assert set(jobs) == {"node", "launcher"} and trainers == ["launcher"]
+            assert mpi["mpiImplementation"] == "OpenMPI"
+            assert mpi["sshAuthMountPath"] == "/home/mpiuser/.ssh"
+            assert mpi["numProcPerNode"] == 1 and mpi["runLauncherAsNode"] is False
+            node = effective["node"]["containers"][0]
+            assert node["name"] == "node" and node["image"] == params["IMAGE"]
+            assert node["command"] == ["/usr/sbin/sshd"]
+            assert "/home/mpiuser/.sshd_config" in node["args"]
+            assert node["readinessProbe"]["tcpSocket"]["port"] == 2222
+            assert jobs["launcher"]["dependsOn"] == [{"name": "node", "status": "Ready"}]
+            assert jobset["successPolicy"]["targetReplicatedJobs"] == ["launcher"], (
+                "the job must end with mpirun: sshd never exits")
+        # The storage reaches the containers where the training processes run: the
+        # node pods (torchrun's, or those mpirun starts the ranks in).
+        node = effective["node"]
+        mounts = {m["mountPath"]: m["name"] for m in node["containers"][0]["volumeMounts"]}
+        assert mounts.get(params["DATASET_DIR"]) == mounts.get(params["OUTPUT_DIR"]) == "shared"
+        assert [v for v in node["volumes"] if v["name"] == "shared"]
+
+        # runtimePatches: a "domain/path" manager, jobs the runtime has, and only what
+        # trainjob_jobs() applies (the identity).
+        for patch in job["spec"]["runtimePatches"]:
+            assert re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[\w./-]+", patch["manager"])
+            for rj in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+                assert rj["name"] in jobs, f"{overlay}: runtimePatches names no job {rj['name']}"
+                assert set(rj["template"]["spec"]["template"]["spec"]) == {"securityContext"}
+        patched = {rj["name"] for p in job["spec"]["runtimePatches"]
+                   for rj in p["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]}
+        assert patched == set(jobs), f"{overlay}: jobs without the identity: {set(jobs) - patched}"
+
+
+def test_readme_applies_the_trainingruntime_before_the_trainjob(kubectl):
+    """kustomize puts the TrainJob before its TrainingRuntime, and the Trainer refuses a
+    TrainJob whose runtime does not exist yet: the README applies the runtime first with
+    a label selector, which must pick exactly the runtime."""
+    readme = (K8S / "README.md").read_text()
+    m = re.search(r"^kubectl apply -f job\.yaml -l (\S+)=(\S+)\n"
+                  r"(?:#.*\n)*kubectl apply -f job\.yaml$", readme, re.M)
+    assert m, "k8s/README.md does not apply the runtime, then the job"
+    key, value = m.groups()
+    for overlay in TRAINJOBS:
+        header = (K8S / overlay / "params.yaml").read_text()
+        assert f"kubectl apply -f job.yaml -l {key}={value}" in header, overlay
+        _, docs = render(kubectl, K8S / overlay)
+        selected = [d["kind"] for d in docs
+                    if d["metadata"].get("labels", {}).get(key) == value]
+        assert selected == ["TrainingRuntime"], f"{overlay}: -l {key}={value} selects {selected}"
+
+
+@pytest.mark.parametrize("overlay", sorted(RENDERED))
+def test_every_kubectl_renders_the_same_bytes(overlay):
+    """kustomize v2.0 (kubectl 1.20) and v5 give the same manifests, byte for byte."""
+    if len(KUBECTLS) < 2:
+        pytest.skip("needs two kubectl binaries in $KUBECTL (e.g. 1.20 and a current one)")
+    texts = {k: render(k, K8S / overlay)[0] for k in KUBECTLS}
+    first = texts[KUBECTLS[0]]
+    for k, text in texts.items():
+        assert text == first, f"{k} renders {overlay} differently from {KUBECTLS[0]}"
+
+
 # --------------------------------------------------------------------------- the commands
 FAKE = """#!/bin/sh
 # records how it was called
@@ -302,10 +504,10 @@ printf '%s\\n' "$(basename "$0")" "$@" > "$FAKE_LOG"
 
 
 def _run_command(container, tmp_path, env_extra):
-    """Run a rendered container command with fake python/mpirun; return their argv."""
+    """Run a rendered container command with fake python/mpirun/torchrun; return their argv."""
     bindir = tmp_path / "bin"
     bindir.mkdir(exist_ok=True)
-    for name in ("python", "mpirun"):
+    for name in ("python", "mpirun", "torchrun"):
         p = bindir / name
         p.write_text(FAKE)
         p.chmod(p.stat().st_mode | stat.S_IXUSR)
@@ -341,6 +543,35 @@ def test_rendered_command_runs_the_script(kubectl, overlay, tmp_path):
         assert argv[0] == "mpirun"
         assert argv[argv.index("-np") + 1] == str(workers)
         assert argv[argv.index("python") + 1:] == [script] + tail
+    elif kind == "TrainJob" and "mpi" in runtime_of(docs)["spec"]["mlPolicy"]:
+        # The Trainer writes one hostfile line per node pod, "slots" = numProcPerNode.
+        workers = one(docs, "TrainJob")["spec"]["trainer"]["numNodes"]
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text("".join(f"hw4-mpi-node-0-{i}.hw4-mpi slots=1\n"
+                                    for i in range(workers)))
+        (role, spec), = training_specs(docs)
+        argv = _run_command(spec["containers"][0], tmp_path,
+                            {"OMPI_MCA_orte_default_hostfile": str(hostfile)})
+        assert argv[0] == "mpirun"
+        assert argv[argv.index("-np") + 1] == str(workers)
+        assert argv[argv.index("python") + 1:] == [script] + tail
+    elif kind == "TrainJob":
+        # torchrun, with the variables the Trainer gives node 1 of 3: torchrun must
+        # take the group from them, so nothing on its command line may override them.
+        pet = {"PET_NNODES": "3", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1",
+               "PET_MASTER_ADDR": "hw4-torch-node-0-0.hw4-torch", "PET_MASTER_PORT": "29500"}
+        (role, spec), = training_specs(docs)
+        argv = _run_command(spec["containers"][0], tmp_path, pet)
+        assert argv[0] == "torchrun"
+        assert argv[argv.index(script):] == [script] + tail
+        options = argv[1:argv.index(script)]
+        for flag in ("--nnodes", "--nproc-per-node", "--nproc_per_node", "--node-rank",
+                     "--node_rank", "--master-addr", "--master_addr", "--master-port",
+                     "--master_port", "--standalone", "--rdzv-endpoint", "--rdzv_endpoint"):
+            assert not any(o == flag or o.startswith(flag + "=") for o in options), (
+                f"torchrun {flag} overrides the Trainer's PET_* variables")
+        # A lost rank makes torchrun restart the group (the scripts then resume).
+        assert int(last_value(options, "--max-restarts")) >= 1, options
     else:
         for role, spec in training_specs(docs):
             argv = _run_command(spec["containers"][0], tmp_path, {})
@@ -379,7 +610,9 @@ def test_a_parameter_set_once_lands_everywhere(kubectl, overlay, tmp_path):
     _set(params_file, r"^([ \t]+runAsGroup:[ \t]*)\d+", "4343")
     _set(params_file, r"^([ \t]+fsGroup:[ \t]*)\d+", "4444")
     workers = 5
-    if kind != "Pod":
+    if kind == "TrainJob":
+        _set(params_file, r"^([ \t]+numNodes:[ \t]*)\d+", str(workers))
+    elif kind != "Pod":
         replicas = workers if kind == "MPIJob" else workers - 1
         _set(params_file, r"^([ \t]+replicas:[ \t]*)\d+", str(replicas))
 
@@ -392,7 +625,7 @@ def test_a_parameter_set_once_lands_everywhere(kubectl, overlay, tmp_path):
         assert (sc["runAsUser"], sc["runAsGroup"], sc["fsGroup"]) == (4242, 4343, 4444), role
         for c in spec["containers"]:
             assert c["image"] == new["IMAGE"], role
-        if kind == "MPIJob" and role == "Launcher":
+        if not mounts_storage(kind, role):
             continue
         shared = [v for v in spec["volumes"] if v["name"] == "shared"][0]
         if storage == "nfs":
@@ -419,10 +652,12 @@ def test_a_parameter_set_once_lands_everywhere(kubectl, overlay, tmp_path):
     elif kind == "PyTorchJob":
         rs = one(docs, "PyTorchJob")["spec"]["pytorchReplicaSpecs"]
         assert rs["Master"]["replicas"] + rs["Worker"]["replicas"] == workers
+    elif kind == "TrainJob":
+        assert one(docs, "TrainJob")["spec"]["trainer"]["numNodes"] == workers
     # The edited overlay still renders valid objects.
     version = kubernetes_validate.utils.latest_version()
     for d in docs:
-        if not d["apiVersion"].startswith("kubeflow.org/"):
+        if not is_operator_resource(d):
             kubernetes_validate.validate(d, version, strict=True)
 
 
