@@ -179,9 +179,9 @@ class Server:
                 if not distributed.is_peer_failure(exc):
                     raise
                 failure = PeerLost(
-                    f"the parameter server received nothing for {self.trainer.args.timeout:g} s "
-                    f"while worker(s) {sorted(active)} had not finished: a worker died or hangs; "
-                    f"it wrote its outputs ({self.version} updates) to {self.run.out}")
+                    f"the parameter server lost worker(s) {sorted(active)} before they finished: "
+                    f"one died, or sent nothing for --timeout {self.trainer.args.timeout:g} s "
+                    f"({distributed.failure_line(exc, 100)}); {self.saved()}")
                 break
             begin = time.perf_counter()
             kind = message[0].item()
@@ -196,7 +196,14 @@ class Server:
                     self.send(worker, failure.exit_code)
                 continue
             self.apply(worker, message)
-            self.send(worker, CONTINUE)
+            try:
+                self.send(worker, CONTINUE)
+            except RuntimeError as exc:
+                if not distributed.is_peer_failure(exc):
+                    raise
+                failure = PeerLost(f"the parameter server lost worker {worker} "
+                                   f"({distributed.failure_line(exc, 100)}); {self.saved()}")
+                break
             self.busy += time.perf_counter() - begin
             if self.version % self.updates_per_epoch == 0:
                 self.end_epoch()
@@ -238,14 +245,24 @@ class Server:
         self.pending[worker] = dist.isend(self.reply[worker], dst=worker)
         self.sent_version[worker] = self.version
 
+    def saved(self):
+        return (f"it saved the model after {self.version} updates (epoch "
+                f"{self.version // self.updates_per_epoch} complete) to {self.trainer.path}; "
+                "run the same command to resume")
+
     def finish(self, finished, failure):
         for request in self.pending.values():
-            request.wait()
+            try:
+                request.wait()
+            except RuntimeError:
+                if not isinstance(failure, PeerLost):  # a reply to the lost worker may fail
+                    raise
         for worker, sent in sorted(finished.items()):
             self.run.log(f"worker {worker}: {sent} gradients sent, {self.applied[worker]} applied")
-        if self.staleness and not isinstance(failure, (Interrupted, NonFiniteLoss)):
+        if self.staleness and failure is None:
             self.end_epoch()  # updates after the last full epoch-equivalent
-        if isinstance(failure, Interrupted):
+        if isinstance(failure, (Interrupted, PeerLost)):
+            # a checkpoint to resume from: the completed epochs' rows, the model as it is now
             self.trainer.save(self.version // self.updates_per_epoch,
                               extra={"updates": self.version})
         if not isinstance(failure, PeerLost):  # after a timeout gloo has closed every pair
@@ -266,6 +283,7 @@ class Server:
                    mean_staleness=sum(self.staleness) / updates,
                    max_staleness=max(self.staleness), server_busy=self.busy / seconds)
         trainer.rows.append(row)
+        trainer.log_scalars(row)
         run.log(engine.epoch_line(row, trainer.args.epochs) +
                 f" | {row['updates_per_s']:.1f} updates/s | staleness mean "
                 f"{row['mean_staleness']:.2f} max {row['max_staleness']}")
@@ -298,7 +316,7 @@ def main(argv=None):
         raise UserError(f"--backend {args.backend}: the parameter server receives from any "
                         "source, which only gloo and mpi offer; use --backend gloo")
     run = cli.setup_run(args, SCRIPT, launch.rank, launch.world_size, launch.local_rank)
-    comm = distributed.init_distributed(args, run.device, launch,
+    comm = distributed.init_distributed(args, run.device, launch, stop=run.stop,
                                         backend=distributed.resolve_backend(args.backend, run.device))
     n_workers = comm.world_size - 1
     train_set, test_set = data.load_datasets(args.dataset, args)

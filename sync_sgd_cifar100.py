@@ -116,7 +116,7 @@ def main(argv=None):
                         f"use at least {world} (strong scaling: it is the global batch)")
     per_rank = args.batch_size // world
     run = cli.setup_run(args, SCRIPT, launch.rank, world, launch.local_rank)
-    comm = distributed.init_distributed(args, run.device, launch)
+    comm = distributed.init_distributed(args, run.device, launch, stop=run.stop)
 
     train_set, test_set = data.load_datasets(args.dataset, args)
     train_loader, test_loader = data.make_loaders(

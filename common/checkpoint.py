@@ -1,13 +1,28 @@
-"""Checkpoints: written aside and renamed into place, so a kill never leaves half a file."""
+"""Checkpoints: written aside and renamed into place, so a kill never leaves half a file.
+
+A checkpoint holds only tensors, numbers, strings, None and lists, tuples and dicts of them, so
+it is read with `torch.load(weights_only=True)`: a `checkpoint.pt` found in --out (a shared
+folder, a run someone sent) cannot run code.  `python -m common.checkpoint convert PATH`
+rewrites a trusted checkpoint of format 1 (which held numpy's RNG state as an ndarray).
+"""
+import collections
 import os
+import pickle
 import random
+import shlex
+import shutil
+import warnings
 
 import numpy as np
 import torch
 
 from .errors import UserError
 
-FORMAT = 1
+FORMAT = 2  # 1: numpy's RNG state kept as numpy's own tuple (an ndarray inside)
+KEYS = ("script", "arch", "epoch", "model", "optimizer", "scheduler", "rows", "args", "rng",
+        "extra")
+PLAIN_LEAVES = (str, int, float, bool, type(None))
+PLAIN_CONTAINERS = (dict, collections.OrderedDict, list, tuple)
 
 
 def atomic_write(path, write):
@@ -26,7 +41,7 @@ def atomic_write(path, write):
 def rng_state():
     """The generators' state at save time, kept for inspection: a resumed run does not need it,
     since every epoch's shuffling, augmentation and dropout are derived from (seed, epoch, rank)."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_rng_state(np.random.get_state()),
              "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -42,17 +57,58 @@ def save(path, *, script, arch, model, optimizer, scheduler, epoch, rows, args, 
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rows": rows, "args": args, "rng": rng_state(), "extra": extra or {},
     }
+    check_plain(state)
     atomic_write(path, lambda tmp: torch.save(state, tmp))
+
+
+def numpy_rng_state(state):
+    """numpy's `(name, keys, pos, has_gauss, cached_gaussian)` in types weights_only accepts;
+    `np.random.set_state((s["name"], s["keys"].numpy().astype(np.uint32), s["pos"],
+    s["has_gauss"], s["cached_gaussian"]))` restores it."""
+    name, keys, pos, has_gauss, cached_gaussian = state
+    return {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos), "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian)}
+
+
+def check_plain(value, where="checkpoint"):
+    """Raise TypeError if `value` holds anything torch.load(weights_only=True) refuses: a new
+    field of another type fails at its first save, not at the next resume.  (Exact types:
+    numpy's float64 is a float subclass, but pickles as a numpy object.)"""
+    if type(value) in PLAIN_CONTAINERS:
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            check_plain(key, where)
+            check_plain(item, f"{where}[{key!r}]")
+    elif type(value) not in PLAIN_LEAVES and not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}: "
+                        "a checkpoint holds only tensors, numbers, strings, None, lists, "
+                        "tuples and dicts")
+
+
+def load_plain(path):
+    """torch.load with weights_only=True: tensors, numbers, strings and containers, no code."""
+    with warnings.catch_warnings():  # torch's notes on odd files would break the one line
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load(path, *, script, arch):
     """Read a checkpoint of this script and architecture, or fail with one clear line."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_plain(path)
+    except pickle.UnpicklingError:  # what weights_only raises for anything but plain data
+        raise UserError(
+            f"{path}: refused to load: it holds objects that could run code (a checkpoint in "
+            "this project's older format, or a crafted file); pass --fresh to start over, or, "
+            "only if you trust the file, convert it once from the repository's folder: "
+            f"python -m common.checkpoint convert {shlex.quote(os.path.abspath(path))}"
+        ) from None
     except Exception as exc:
         raise UserError(f"{path}: unreadable checkpoint ({exc.__class__.__name__}); "
                         "move it away or pass --fresh to start over") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") != FORMAT \
+            or any(key not in state for key in KEYS):
         raise UserError(f"{path}: not a checkpoint of this project; use another --out or --fresh")
     if state["script"] != script or state["arch"] != arch:
         raise UserError(f"{path}: checkpoint of {state['script']} ({state['arch']}), not of "
@@ -64,3 +120,62 @@ def unwrap(model):
     """The plain module inside DDP / torch.compile wrappers, for state_dicts."""
     model = getattr(model, "module", model)
     return getattr(model, "_orig_mod", model)
+
+
+def convert(path):
+    """Rewrite a format-1 checkpoint in the current format, keeping the original as PATH.bak.
+
+    Only on the user's explicit request, for a file they trust: the old format can be read
+    only with weights_only=False, which runs whatever code the file holds.
+    """
+    backup = path + ".bak"
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: no such checkpoint")
+    try:
+        state = load_plain(path)
+        if isinstance(state, dict) and state.get("format") == FORMAT:
+            print(f"{path}: already in checkpoint format {FORMAT}; nothing to convert")
+            return
+    except Exception:
+        pass  # not readable safely: the old format (or not a checkpoint); read it as trusted
+    if os.path.exists(backup):
+        raise UserError(f"{backup} already exists; move it away, then convert again")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise UserError(f"{path}: unreadable checkpoint ({exc.__class__.__name__}); "
+                        "nothing converted") from None
+    if not isinstance(state, dict) or state.get("format") != 1 \
+            or any(key not in state for key in KEYS):
+        raise UserError(f"{path}: not a checkpoint of this project (format 1); nothing converted")
+    try:
+        state["rng"]["numpy"] = numpy_rng_state(state["rng"]["numpy"])
+        state["format"] = FORMAT
+        check_plain(state)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise UserError(f"{path}: cannot convert it ({exc}); nothing converted") from None
+
+    def write_and_verify(tmp):
+        torch.save(state, tmp)
+        load_plain(tmp)
+
+    atomic_write(backup, lambda tmp: shutil.copyfile(path, tmp))
+    atomic_write(path, write_and_verify)
+    print(f"{path}: converted to checkpoint format {FORMAT}; the original is kept as {backup}")
+
+
+def main(argv=None):
+    from .cli import Parser
+    parser = Parser(prog="python -m common.checkpoint",
+                    description="Tools for checkpoint.pt files of the HW4 scripts.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    c = commands.add_parser("convert", help="rewrite a trusted checkpoint of the older format "
+                            "(1) so that it loads without running code; keeps PATH.bak")
+    c.add_argument("path", metavar="PATH", help="the checkpoint.pt to convert")
+    args = parser.parse_args(argv)
+    convert(args.path)
+
+
+if __name__ == "__main__":
+    from .cli import run_main
+    run_main(main)

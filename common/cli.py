@@ -1,7 +1,13 @@
 """Command line shared by every script, device choice, and the run's set-up."""
 import argparse
+import atexit
+import datetime
+import errno
+import fcntl
+import json
 import os
 import random
+import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -42,6 +48,21 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see {self.prog} --help\n")
 
 
+class TensorBoardFlag(argparse.Action):
+    """A store-true flag that exits (status 2, one line) while the arguments are parsed, on
+    every rank, when the tensorboard package is missing: before any training."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .outputs import tensorboard_missing
+        why = tensorboard_missing()
+        if why:
+            parser.exit(2, f"error: {option_string}: {why}\n")
+        setattr(namespace, self.dest, True)
+
+
 def make_parser(description, script, **defaults):
     """The flags every script has; `defaults` sets the script's own recipe."""
     p = Parser(description=description, formatter_class=HelpFormatter)
@@ -50,9 +71,9 @@ def make_parser(description, script, **defaults):
     d.add_argument("--download", action="store_true", help="download the data set into --data-dir")
     d.add_argument("--dummy", action="store_true", help="random data of the real shapes; no files")
     d.add_argument("--train-limit", type=positive_int, metavar="N",
-                   help="use only the first N training samples")
+                   help="use only N training samples, every class alike (a seeded subset)")
     d.add_argument("--test-limit", type=positive_int, metavar="N",
-                   help="use only the first N test samples")
+                   help="use only N test samples, every class alike (a seeded subset)")
     d.add_argument("--workers", type=int, default=min(8, len(os.sched_getaffinity(0))),
                    help="processes decoding image files (TinyImageNet, imagefolder)")
 
@@ -83,6 +104,9 @@ def make_parser(description, script, **defaults):
                    help="start over even if --out holds a checkpoint (without it: resume)")
     r.add_argument("--evaluate", action="store_true",
                    help="only evaluate the checkpoint in --out on the test set")
+    r.add_argument("--tensorboard", action=TensorBoardFlag,
+                   help="also write each epoch's scalars to --out/tb (needs: pip install "
+                        "tensorboard)")
     p.set_defaults(**defaults)
     return p
 
@@ -181,12 +205,72 @@ def prepare_out_dir(out):
                         "choose a writable folder") from None
 
 
+LOCK_FILE = ".lock"
+_held_locks = {}  # real path of a held lock file -> its open descriptor (held until exit)
+
+
+def lock_out_dir(out):
+    """One run per --out: hold an advisory lock (flock) on --out/.lock while this process lives.
+
+    The kernel drops a flock when its process ends, however it ends, so the file a killed run
+    leaves behind never blocks the next.  The holder writes its host, pid and start time into
+    the file, so that a second run can say who holds it; a clean exit removes the file."""
+    path = os.path.realpath(os.path.join(out, LOCK_FILE))
+    if path in _held_locks:
+        return
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise UserError(f"--out {out} is in use by another run ({holder}); wait for it to "
+                                "end or stop it, or choose another --out") from None
+            print(f"note: --out {out}: cannot lock {LOCK_FILE} ({exc.strerror}); make sure no "
+                  "other run trains into it", file=sys.stderr, flush=True)
+            return
+        try:  # the previous holder may have removed the file between our open and our lock
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                              "since": since}).encode() + b"\n", 0)
+    _held_locks[path] = fd
+    atexit.register(_release_lock, path)
+
+
+def _read_holder(fd):
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info['pid']} on host {info['host']}, since {info['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "holder unknown: it is starting"
+
+
+def _release_lock(path):
+    fd = _held_locks.pop(path, None)
+    if fd is not None:
+        try:
+            os.remove(path)  # while still holding it: nobody can lock the old file meanwhile
+        except OSError:
+            pass
+        os.close(fd)
+
+
 def setup_run(args, script, rank=0, world_size=1, local_rank=0):
     device = select_device(args.device, local_rank)
     amp = default_amp(device) if args.amp is None else args.amp
     seed_everything(args.seed)
     if rank == 0 and not args.evaluate:
         prepare_out_dir(args.out)
+        lock_out_dir(args.out)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         # --no-amp means strict fp32 (seed 001's FP32 training): no TF32 matmuls either.
@@ -200,12 +284,14 @@ def setup_run(args, script, rank=0, world_size=1, local_rank=0):
 def run_main(main):
     """Call `main()`; an expected failure becomes one line on stderr and its exit status.
 
-    Exit statuses: 2 bad input, 3 non-finite loss, 4 a rank was lost (permanent, see
-    errors.py), 128 + signal after SIGTERM/SIGINT (retryable: the same command resumes).
+    Exit statuses (see errors.py): 2 bad input, 3 non-finite loss -- permanent; 128 + signal
+    after SIGTERM/SIGINT, 200 a rank was lost or never joined -- retryable: the same command
+    resumes.
     """
     try:
         code = main()
     except (UserError, NonFiniteLoss, PeerLost, Interrupted) as exc:
-        print(f"error: {exc}" if exc.exit_code < 128 else str(exc), file=sys.stderr, flush=True)
+        print(str(exc) if isinstance(exc, Interrupted) else f"error: {exc}", file=sys.stderr,
+              flush=True)
         code = exc.exit_code
     sys.exit(code or 0)

@@ -8,6 +8,7 @@ solutions' GPUs wait).  The TinyImageNet JPEGs are decoded once, in parallel wor
 import math
 import os
 import pickle
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,11 +36,33 @@ class ImageSet:
     def __len__(self):
         return len(self.labels)
 
-    def head(self, n):
-        """The first `n` samples (all of them when `n` is None)."""
-        if n is None:
+    def limit(self, n, seed):
+        """`n` samples spread evenly over the classes (`balanced_indices`); all when n is None."""
+        keep = balanced_indices(self.labels, n, seed)
+        if keep is None:
             return self
-        return ImageSet(self.images[:n], self.labels[:n], self.classes)
+        return ImageSet(self.images[keep], self.labels[keep], self.classes)
+
+
+def balanced_indices(labels, n, seed):
+    """Indices of `n` of the samples with these labels, the classes as evenly represented as
+    they allow: a seeded round robin over the classes, each class's samples in a seeded order.
+    The order of the classes depends on `seed` only, so the training and test subsets of a run
+    cover the same classes (all of them when n >= the number of classes).  Sorted; None when n
+    is None or covers every sample."""
+    labels = torch.as_tensor(labels, dtype=torch.int64)
+    if n is None or n >= len(labels):
+        return None
+    g = torch.Generator().manual_seed(seed)
+    num_classes = int(labels.max()) + 1
+    class_turn = torch.randperm(num_classes, generator=g)  # the classes' order in each round
+    shuffled = torch.randperm(len(labels), generator=g)  # the order within each class
+    by_class = shuffled[torch.sort(labels[shuffled], stable=True).indices]
+    sorted_labels = labels[by_class]
+    first = torch.searchsorted(sorted_labels, sorted_labels, right=False)
+    round_ = torch.arange(len(labels)) - first  # how many of its class come before it
+    chosen = by_class[torch.argsort(round_ * num_classes + class_turn[sorted_labels])[:n]]
+    return torch.sort(chosen).values
 
 
 @dataclass(frozen=True)
@@ -70,21 +93,23 @@ def load_datasets(name, args):
     if name == "imagefolder":
         if args.dummy:  # ImageNet-shaped random data, held in memory: keep it modest
             spec = DatasetSpec(1000, args.image_size or 224, 10_000, 1_000, IMAGENET_MEAN, IMAGENET_STD)
-            return (dummy_set(args.train_limit or spec.train_size, spec, seed=args.seed),
-                    dummy_set(args.test_limit or spec.test_size, spec, seed=args.seed + 1))
+            return (dummy_set(args.train_limit or spec.train_size, spec, seed=args.seed,
+                              class_seed=args.seed),
+                    dummy_set(args.test_limit or spec.test_size, spec, seed=args.seed + 1,
+                              class_seed=args.seed))
         if args.download:
             raise UserError("--download: ImageNet cannot be downloaded automatically; get it "
                             "from image-net.org and point --data-dir at train/ and val/")
-        from .imagefolder import read_imagefolder
+        from .imagefolder import limit_imagefolder, read_imagefolder
         train, test = read_imagefolder(args.data_dir, args.image_size or 224)
-        if args.train_limit or args.test_limit:
-            train.samples, test.samples = train.samples[:args.train_limit], test.samples[:args.test_limit]
-            train.targets, test.targets = train.targets[:args.train_limit], test.targets[:args.test_limit]
-        return train, test
+        return (limit_imagefolder(train, args.train_limit, args.seed),
+                limit_imagefolder(test, args.test_limit, args.seed))
     spec = SPECS[name]
     if args.dummy:
-        train = dummy_set(args.train_limit or spec.train_size, spec, seed=args.seed)
-        test = dummy_set(args.test_limit or spec.test_size, spec, seed=args.seed + 1)
+        train = dummy_set(args.train_limit or spec.train_size, spec, seed=args.seed,
+                          class_seed=args.seed)
+        test = dummy_set(args.test_limit or spec.test_size, spec, seed=args.seed + 1,
+                         class_seed=args.seed)
         return train, test
     if name == "cifar100":
         if args.download:
@@ -94,16 +119,21 @@ def load_datasets(name, args):
         if args.download:
             download_tinyimagenet(args.data_dir)
         train, test = read_tinyimagenet(args.data_dir, args.workers, args.train_limit,
-                                        args.test_limit)
-    return train.head(args.train_limit), test.head(args.test_limit)
+                                        args.test_limit, seed=args.seed)
+    return train.limit(args.train_limit, args.seed), test.limit(args.test_limit, args.seed)
 
 
-def dummy_set(n, spec, seed):
-    """Random images and labels of the real shapes (like pytorch/examples' --dummy)."""
+def dummy_set(n, spec, seed, class_seed=0):
+    """Random images of the real shapes (like pytorch/examples' --dummy), their labels as
+    balanced over the classes as `balanced_indices` makes a limited real set: a round robin over
+    the classes in an order drawn from `class_seed`, shared by a run's training and test sets."""
     g = torch.Generator().manual_seed(seed)
     size = spec.image_size
     images = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=g)
-    labels = torch.randint(0, spec.num_classes, (n,), generator=g)
+    class_turn = torch.randperm(spec.num_classes,
+                                generator=torch.Generator().manual_seed(class_seed))
+    labels = class_turn[torch.arange(n) % spec.num_classes]
+    labels = labels[torch.randperm(n, generator=g)]
     return ImageSet(images, labels, [str(i) for i in range(spec.num_classes)])
 
 
@@ -116,7 +146,25 @@ def cifar100_folder(data_dir):
 def download_cifar100(data_dir):
     """Fetch and checksum the official archive through torchvision's downloader."""
     import torchvision
-    torchvision.datasets.CIFAR100(data_dir, train=True, download=True)
+    url = torchvision.datasets.CIFAR100.url
+    with _download_errors("CIFAR-100", url, data_dir,
+                          cifar100_folder(data_dir) + "/{train,test,meta}"):
+        torchvision.datasets.CIFAR100(data_dir, train=True, download=True)
+
+
+@contextmanager
+def _download_errors(name, url, data_dir, expected):
+    """A failed download (no network, a proxy, a bad checksum) as one line that says how to put
+    the data set in place by hand, instead of urllib's traceback."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:  # URLError and timeouts are OSErrors
+        reason = (getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
+                  or type(exc).__name__)
+        raise UserError(f"--download: could not fetch {name} from {url} ({reason}); on a machine "
+                        f"with network download {url.rsplit('/', 1)[-1]} and unpack it into "
+                        f"{data_dir}, so that {expected} exist (README: Offline preparation), "
+                        "then run without --download") from None
 
 
 def read_cifar100(data_dir, train):
@@ -144,12 +192,41 @@ def read_cifar100(data_dir, train):
     return ImageSet(images, labels, classes)
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """An unpickler that builds only what the official CIFAR-100 files hold: dicts, lists,
+    bytes, strings and numbers (made by opcodes, never looked up here) and numpy arrays.
+    Any other class or function, the way a crafted pickle runs code, is refused."""
+
+    _reconstruct = np.zeros(0).__reduce__()[0]  # numpy's own, under whichever module name
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"): _reconstruct,  # as the files name it
+        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,  # numpy 2's name
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+    }
+
+    def __init__(self, file, path):
+        super().__init__(file, encoding="bytes")
+        self.path = path
+
+    def find_class(self, module, name):
+        try:
+            return self.ALLOWED[(module, name)]
+        except KeyError:
+            what = f"{module}.{name}"[:100]  # repr: a crafted name may hold line breaks
+            raise UserError(f"{self.path}: refused: the pickle asks for {what!r}, which "
+                            "CIFAR-100 files never hold (it could run code); re-download "
+                            "with --download") from None
+
+
 def _unpickle(path):
     if not os.path.isfile(path):
         raise UserError(f"CIFAR-100 file missing: {path}; pass --download to fetch the data set")
     try:
         with open(path, "rb") as f:
-            obj = pickle.load(f, encoding="bytes")
+            obj = _CifarUnpickler(f, path).load()
+    except UserError:
+        raise
     except Exception as exc:  # truncated, empty or not a pickle at all
         raise UserError(f"{path}: unreadable CIFAR-100 pickle ({exc.__class__.__name__}: {exc}); "
                         "re-download with --download") from None
@@ -167,7 +244,9 @@ def tiny_folder(data_dir):
 def download_tinyimagenet(data_dir):
     from torchvision.datasets.utils import download_and_extract_archive
     if not os.path.isdir(tiny_folder(data_dir)):
-        download_and_extract_archive(TINY_URL, data_dir, md5=TINY_MD5)
+        with _download_errors("TinyImageNet", TINY_URL, data_dir,
+                              tiny_folder(data_dir) + "/{wnids.txt,train,val}"):
+            download_and_extract_archive(TINY_URL, data_dir, md5=TINY_MD5)
 
 
 def tinyimagenet_files(data_dir):
@@ -210,13 +289,21 @@ def tinyimagenet_files(data_dir):
     return train, val, classes
 
 
-def read_tinyimagenet(data_dir, workers=4, train_limit=None, test_limit=None):
+def read_tinyimagenet(data_dir, workers=4, train_limit=None, test_limit=None, seed=0):
+    """The training and validation sets, decoded; a limit picks the files (`balanced_indices`)
+    before any is decoded."""
     train, val, classes = tinyimagenet_files(data_dir)
-    train, val = train[:train_limit], val[:test_limit]
+    train, val = _pick(train, train_limit, seed), _pick(val, test_limit, seed)
     return (ImageSet(decode_images([p for p, _ in train], 64, workers),
                      torch.tensor([y for _, y in train], dtype=torch.int64), classes),
             ImageSet(decode_images([p for p, _ in val], 64, workers),
                      torch.tensor([y for _, y in val], dtype=torch.int64), classes))
+
+
+def _pick(files, n, seed):
+    """`n` of the (path, label) pairs, balanced over the labels."""
+    keep = balanced_indices([label for _, label in files], n, seed) if files else None
+    return files if keep is None else [files[i] for i in keep.tolist()]
 
 
 class _DecodedImages(torch.utils.data.Dataset):

@@ -172,6 +172,7 @@ class Trainer:
         self.criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
         self.rows, self.start_epoch, self.extra = [], 0, {}
         self.partial = None  # progress inside an interrupted epoch
+        self.tensorboard = None  # --tensorboard's writer, made when the first row is recorded
         self.path = os.path.join(run.out, "checkpoint.pt")
 
     # -- state -------------------------------------------------------------------------
@@ -212,6 +213,14 @@ class Trainer:
         outputs.write_metrics(self.run.out, self.rows)
         if self.rows:
             outputs.plot_curve(self.run.out, self.rows, self.run.script, self.target)
+
+    def log_scalars(self, row):
+        """--tensorboard: an epoch's row as scalars (main rank), before its checkpoint is saved."""
+        if not (self.run.is_main and getattr(self.args, "tensorboard", False)):
+            return
+        if self.tensorboard is None:
+            self.tensorboard = outputs.TensorBoardLog(self.run.out, first_epoch=row["epoch"])
+        self.tensorboard.add_row(row)
 
     def write_config(self, **extra):
         if self.run.is_main:
@@ -288,6 +297,7 @@ class Trainer:
                         f"checkpoint written to {self.path}; run the same command to resume",
                         self.run.stop.signum)
                 self.rows.append(row)
+                self.log_scalars(row)
                 self.run.log(epoch_line(row, self.args.epochs))
                 self.save(epoch + 1)
         except RuntimeError as exc:

@@ -16,8 +16,12 @@ class NonFiniteLoss(Exception):
 
 
 class PeerLost(Exception):
-    """Another rank died or stopped answering within --timeout."""
-    exit_code = 4
+    """Another rank died, stopped answering within --timeout, or never joined at start-up.
+
+    Retryable: once every rank runs again (torchrun's restart, the operator's, a resubmitted
+    job) the same command resumes from the checkpoint.  200 lies above 128 + any signal number
+    (at most 192), so it is never mistaken for "killed by a signal"."""
+    exit_code = 200
 
 
 class Interrupted(Exception):

@@ -11,7 +11,7 @@ import os
 import torch
 from torch.utils.data import DataLoader
 
-from .data import ShardedLoader
+from .data import ShardedLoader, balanced_indices
 from .errors import UserError
 
 
@@ -32,6 +32,16 @@ def read_imagefolder(data_dir, image_size):
     if val_set.classes != train_set.classes:
         raise UserError(f"{data_dir}: val/ and train/ hold different class folders")
     return train_set, val_set
+
+
+def limit_imagefolder(dataset, n, seed):
+    """Keep `n` samples of an ImageFolder, balanced over the classes (`balanced_indices`)."""
+    keep = balanced_indices(dataset.targets, n, seed) if len(dataset) else None
+    if keep is not None:
+        dataset.samples = [dataset.samples[i] for i in keep.tolist()]
+        dataset.targets = [label for _, label in dataset.samples]
+        dataset.imgs = dataset.samples
+    return dataset
 
 
 class FolderLoader(ShardedLoader):

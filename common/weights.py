@@ -5,6 +5,8 @@ code; `--weights PATH` reads such a file.  Without it, torchvision's weights API
 into the torch hub cache (``$TORCH_HOME/hub/checkpoints``) where a network is available.
 """
 import os
+import pickle
+import warnings
 
 import torch
 
@@ -34,7 +36,15 @@ def load_imagenet_state_dict(arch, path=None):
         return _read_state_dict(path, arch)
     weights = imagenet_weights(arch)
     try:
-        return weights.get_state_dict(progress=False, check_hash=True)
+        # weights_only: a file someone put in the hub cache must not run code (torch.hub's
+        # default is False; check_hash only applies to a fresh download).
+        with warnings.catch_warnings():  # torch's notes on odd files would break the one line
+            warnings.simplefilter("ignore")
+            return weights.get_state_dict(progress=False, check_hash=True, weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(f"{os.path.join(hub_checkpoint_dir(), weights_file(arch))}: refused: "
+                        "not a plain state_dict (it could run code); delete it and copy "
+                        f"{weights_file(arch)} from {weights.url} there") from None
     except (OSError, RuntimeError) as exc:  # URLError is an OSError
         raise UserError(
             f"cannot get the ImageNet {NAMES[arch]} weights ({exc.__class__.__name__}: {exc}); "

@@ -402,24 +402,67 @@ def test_dummy_shapes_and_classes(name, size, classes, tmp_path):
                                                  else (100_000, 10_000))
 
 
-def test_limits_take_first_samples_cifar(cifar_dir):
-    full_train, full_test = data.load_datasets("cifar100", parse("--data-dir", str(cifar_dir)))
-    train, test = data.load_datasets("cifar100", parse("--data-dir", str(cifar_dir),
-                                                       "--train-limit", "13",
-                                                       "--test-limit", "5"))
-    assert len(full_train) == 200 and len(full_test) == 100
-    assert torch.equal(train.images, full_train.images[:13])
-    assert torch.equal(train.labels, full_train.labels[:13])
-    assert torch.equal(test.images, full_test.images[:5])
-    assert torch.equal(test.labels, full_test.labels[:5])
+def _rows_of(subset, full):
+    """Where each image of `subset` sits in `full` (images are unique in the generated sets)."""
+    flat = full.images.reshape(len(full), -1)
+    found = [int(torch.nonzero((flat == img.reshape(-1)).all(1))[0]) for img in subset.images]
+    assert torch.equal(full.labels[found], subset.labels)
+    return found
 
 
-def test_limits_take_first_samples_tiny(tiny_dir):
+def test_limits_take_a_balanced_seeded_subset_cifar(cifar_dir):
+    """200 training images of 100 classes (2 each), 100 test images (1 each)."""
+    base = ("--data-dir", str(cifar_dir))
+    full_train, full_test = data.load_datasets("cifar100", parse(*base))
+    train, test = data.load_datasets("cifar100", parse(*base, "--train-limit", "130",
+                                                       "--test-limit", "40"))
+    assert (len(train), len(test)) == (130, 40)
+    # every class once, then 30 classes twice; 40 test classes, all among the training ones
+    assert sorted(torch.bincount(train.labels, minlength=100).tolist()) == [1] * 70 + [2] * 30
+    assert len(set(test.labels.tolist())) == 40
+    assert set(test.labels.tolist()) <= set(train.labels.tolist())
+    rows = _rows_of(train, full_train)
+    assert rows != list(range(130))  # not simply the first samples
+    assert rows == sorted(set(rows))  # distinct samples, in the data set's order
+    _rows_of(test, full_test)
+    again, _ = data.load_datasets("cifar100", parse(*base, "--train-limit", "130"))
+    other, _ = data.load_datasets("cifar100", parse(*base, "--train-limit", "130", "--seed", "1"))
+    assert torch.equal(again.images, train.images)  # the same seed: the same subset
+    assert not torch.equal(other.images, train.images)
+
+
+def test_limits_take_a_balanced_subset_tiny_decoding_only_those(tiny_dir, monkeypatch):
+    """4 classes, 6 training and 3 validation images each; the limit picks files, then decodes."""
     base = ("--data-dir", str(tiny_dir), "--workers", "0")
     full_train, full_test = data.load_datasets("tinyimagenet", parse(*base))
-    train, test = data.load_datasets("tinyimagenet", parse(*base, "--train-limit", "7",
-                                                            "--test-limit", "5"))
-    assert torch.equal(train.images, full_train.images[:7])
-    assert torch.equal(train.labels, full_train.labels[:7])
-    assert torch.equal(test.images, full_test.images[:5])
-    assert torch.equal(test.labels, full_test.labels[:5])
+    decoded = []
+    decode = data.decode_images
+    monkeypatch.setattr(data, "decode_images",
+                        lambda paths, *a: decoded.append(len(paths)) or decode(paths, *a))
+    train, test = data.load_datasets("tinyimagenet", parse(*base, "--train-limit", "9",
+                                                            "--test-limit", "4"))
+    assert decoded == [9, 4]
+    assert sorted(torch.bincount(train.labels, minlength=4).tolist()) == [2, 2, 2, 3]
+    assert torch.bincount(test.labels, minlength=4).tolist() == [1, 1, 1, 1]
+    _rows_of(train, full_train), _rows_of(test, full_test)  # the right image for each label
+
+
+def test_limits_take_a_balanced_subset_imagefolder(imagefolder_dir):
+    """3 classes, 4 training and 2 validation images each."""
+    base = ("--data-dir", str(imagefolder_dir), "--dataset", "imagefolder")
+    args = cli.make_parser("test", "test")
+    cli.add_workload_args(args, dataset="imagefolder", arch="hw4")
+    train, test = data.load_datasets("imagefolder", args.parse_args(
+        [*base, "--train-limit", "6", "--test-limit", "3"]))
+    assert sorted(train.targets) == [0, 0, 1, 1, 2, 2] and sorted(test.targets) == [0, 1, 2]
+    assert train.imgs == train.samples and [y for _, y in train.samples] == train.targets
+    assert all(f"/{train.classes[y]}/" in path for path, y in train.samples + test.samples)
+
+
+def test_dummy_limits_train_and_test_on_the_same_classes(tmp_path):
+    args = parse("--dummy", "--data-dir", str(tmp_path), "--train-limit", "60",
+                 "--test-limit", "20")
+    train, test = data.load_datasets("cifar100", args)
+    assert torch.bincount(train.labels, minlength=100).max() == 1 and len(set(
+        train.labels.tolist())) == 60
+    assert set(test.labels.tolist()) <= set(train.labels.tolist())

@@ -13,7 +13,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from common import data
-from common.distributed import Comm, Launch, detect_launch, free_port, import_before_init
+from common.distributed import (Comm, Launch, check_torchrun_master, detect_launch, free_port,
+                                import_before_init)
+from common.errors import UserError
 from helpers import ROOT, child_env
 
 MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
@@ -162,6 +164,34 @@ def test_torchrun_variables():
     launch = detect_launch({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "WORLD_SIZE": "8",
                             "RANK": "5", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"})
     assert (launch.launcher, launch.rank, launch.local_rank) == ("torchrun", 5, 1)
+
+
+def test_trainjob_started_as_plain_python_reads_the_pet_variables():
+    launch = detect_launch({"PET_NNODES": "3", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "2",
+                            "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400"})
+    assert (launch.rank, launch.world_size, launch.local_rank) == (2, 3, 0)
+    assert (launch.master_addr, launch.master_port) == ("job-node-0-0.job", 29400)
+    assert "TrainJob" in launch.launcher
+    # torchrun, which reads the PET_* variables itself, passes them on: its own ones win
+    launch = detect_launch({"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "RANK": "3",
+                            "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1",
+                            "TORCHELASTIC_RUN_ID": "x"})
+    assert (launch.launcher, launch.rank, launch.world_size) == ("torchrun", 3, 4)
+
+
+@pytest.mark.parametrize("nproc", ["2", "auto"])
+def test_trainjob_with_several_processes_per_node_needs_torchrun(nproc):
+    with pytest.raises(UserError, match=f"PET_NPROC_PER_NODE={nproc} .* run the script under "
+                                        "torchrun"):
+        detect_launch({"PET_NNODES": "2", "PET_NPROC_PER_NODE": nproc, "PET_NODE_RANK": "0",
+                       "PET_MASTER_ADDR": "job-node-0-0.job"})
+
+
+def test_torchrun_on_several_nodes_named_by_a_loopback_name_says_local_addr():
+    launch = Launch("torchrun", 1, 2, 0, "127.0.0.1", 29400)
+    with pytest.raises(UserError, match="--local-addr"):
+        check_torchrun_master(launch, {"GROUP_WORLD_SIZE": "2"})
+    check_torchrun_master(launch, {"GROUP_WORLD_SIZE": "1"})  # one node: loopback is right
 
 
 def test_no_launcher_is_a_world_of_one():

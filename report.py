@@ -1,0 +1,331 @@
+"""The homework report: every run's result in one table and one figure.
+
+    python report.py                       # the runs under runs/
+    python report.py runs/ elsewhere/runs  # several folders; --out says where the report goes
+
+A run folder is any folder, at any depth, holding the config.json and metrics.csv that every
+script writes into its --out, whatever launched it and however often it was resumed (the
+scripts rewrite metrics.csv whole from the checkpoint each epoch).  report.py only reads them
+and writes two files into --out (default: the first RUNS_DIR):
+
+  report.md   a row per run: task, data set, architecture, homework target, final and best test
+              accuracy, epochs done of planned (fewer: "in progress"), wall time, images/s,
+              ranks or workers, precision, async staleness, whether the target is met
+  report.png  test accuracy per epoch, one panel per data set, each homework target as a dashed
+              line; async runs' staleness per epoch in a panel beside them
+
+A folder that is not a run, or a half-written one, is named in one line and skipped.
+"""
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+
+from common.checkpoint import atomic_write
+from common.cli import HelpFormatter, Parser, run_main
+from common.errors import UserError
+
+# The homework's test-accuracy targets, %: a copy of each main's TARGET constant and of the data
+# set it applies to (each main passes target=TARGET only when args.dataset is that one).
+# tests/test_report.py checks that the two agree.  Their order is the table's.
+TARGETS = {
+    "resnet_cifar100": ("cifar100", 60.0),
+    "resnet_tinyimagenet": ("tinyimagenet", 50.0),
+    "pretrained_cifar100": ("cifar100", 70.0),
+    "sync_sgd_cifar100": ("cifar100", 60.0),
+    "async_sgd_cifar100": ("cifar100", 60.0),
+}
+CONFIG_KEYS = ("script", "arch", "world_size", "precision")
+CONFIG_ARGS = ("epochs", "batch_size", "dataset")
+METRIC_COLUMNS = ("epoch", "test_acc", "elapsed_seconds", "images_per_s")
+TABLE = ["run", "task", "data set", "architecture", "target", "final test acc", "best test acc",
+         "epochs", "wall time", "images/s", "ranks / workers", "precision",
+         "staleness mean / max", "target met"]
+PANEL_INCHES = (5.2, 4.4)  # one panel of report.png
+DPI = 100
+
+
+class NotARun(Exception):
+    """Why a folder is skipped: its message is the one line the user sees."""
+
+
+class Run:
+    """One run folder: its config.json and its metrics.csv rows (numbers)."""
+
+    def __init__(self, folder, name, config, rows):
+        self.folder, self.name, self.config, self.rows = folder, name, config, rows
+        args = config["args"]
+        self.script, self.arch = config["script"], config["arch"]
+        self.dataset, self.batch, self.planned = args["dataset"], args["batch_size"], args["epochs"]
+        own_dataset, target = TARGETS.get(self.script, (None, None))
+        self.target = target if self.dataset == own_dataset else None
+        self.done = int(rows[-1]["epoch"])
+        self.in_progress = self.done < self.planned
+        self.final = rows[-1]["test_acc"]
+        self.best = max(r["test_acc"] for r in rows)
+        self.is_async = "updates_per_epoch" in config  # the parameter server's config has it
+        self.staleness = [r for r in rows if "mean_staleness" in r and "max_staleness" in r]
+
+    @property
+    def layout(self):
+        """Who computed: the processes and the batch each one saw."""
+        world = self.config["world_size"]
+        if self.is_async:
+            return f"1 server + {world - 1} workers, batch {self.batch} each"
+        if world > 1:  # sync SGD: --batch-size is the global batch, split over the ranks
+            per_rank = self.batch // world
+            return f"{world} ranks x {per_rank} = global batch {per_rank * world}"
+        return f"1 process, batch {self.batch}"
+
+    @property
+    def label(self):
+        """The run in the figure's legend."""
+        name = self.script if os.path.basename(self.name) == self.script else \
+            f"{self.script} [{self.name}]"
+        detail = [self.arch, self.layout]
+        if self.in_progress:
+            detail.append(f"in progress {self.done}/{self.planned}")
+        return f"{name} ({', '.join(detail)})"
+
+    def table_row(self):
+        target = "-" if self.target is None else f"{self.target:g}%"
+        if self.target is None:
+            met = "- (no target on this data set)"
+        elif self.final >= self.target:
+            met = "yes"
+        else:
+            met = "not yet" if self.in_progress else "no"
+        staleness = "-"
+        if self.staleness:
+            staleness = (f"{statistics.mean(r['mean_staleness'] for r in self.staleness):.2f} / "
+                         f"{max(r['max_staleness'] for r in self.staleness):g}")
+        epochs = f"{self.done}/{self.planned}" + (" (in progress)" if self.in_progress else "")
+        images_per_s = statistics.median(r["images_per_s"] for r in self.rows)
+        return [self.name, self.script, self.dataset, self.arch, target, f"{self.final:.2f}%",
+                f"{self.best:.2f}%", epochs, duration(self.rows[-1]["elapsed_seconds"]),
+                f"{images_per_s:.0f}", self.layout, self.config["precision"], staleness, met]
+
+
+def duration(seconds):
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+# ------------------------------------------------------------------------------- reading
+
+def is_count(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def read_config(folder):
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise NotARun("no config.json") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise NotARun(f"config.json is not readable JSON ({exc})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("args"), dict):
+        raise NotARun("config.json holds no 'args' object")
+    for key in CONFIG_KEYS:
+        if key not in config:
+            raise NotARun(f"config.json lacks '{key}'")
+    for key in CONFIG_ARGS:
+        if key not in config["args"]:
+            raise NotARun(f"config.json lacks 'args.{key}'")
+    for value, key in ((config["world_size"], "world_size"),
+                       (config["args"]["epochs"], "args.epochs"),
+                       (config["args"]["batch_size"], "args.batch_size")):
+        if not is_count(value):
+            raise NotARun(f"config.json: '{key}' is {value!r}, not a positive integer")
+    return config
+
+
+def read_metrics(folder):
+    """The rows of metrics.csv as numbers; a missing or half-written file raises NotARun."""
+    try:
+        with open(os.path.join(folder, "metrics.csv"), newline="") as f:
+            reader = csv.DictReader(f)
+            columns, lines = reader.fieldnames, list(reader)
+    except FileNotFoundError:
+        raise NotARun("no metrics.csv yet (no epoch finished)") from None
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise NotARun(f"metrics.csv is not readable CSV ({exc})") from None
+    if not columns:
+        raise NotARun("metrics.csv is empty")
+    missing = [c for c in METRIC_COLUMNS if c not in columns]
+    if missing:
+        raise NotARun(f"metrics.csv lacks the column(s) {', '.join(missing)}")
+    if not lines:
+        raise NotARun("metrics.csv has no epoch yet")
+    rows = []
+    for number, line in enumerate(lines, start=2):  # line 1 is the header
+        if None in line or any(line[c] in (None, "") for c in METRIC_COLUMNS):
+            raise NotARun(f"metrics.csv line {number} is incomplete or has extra fields")
+        try:
+            row = {c: float(v) for c, v in line.items() if v != ""}
+        except ValueError:
+            raise NotARun(f"metrics.csv line {number} holds something not a number") from None
+        if not all(math.isfinite(row[c]) for c in METRIC_COLUMNS):
+            raise NotARun(f"metrics.csv line {number} holds a non-finite value")
+        if rows and row["epoch"] <= rows[-1]["epoch"]:
+            raise NotARun(f"metrics.csv line {number}: epochs out of order")
+        rows.append(row)
+    return rows
+
+
+def run_folders(root):
+    """Folders under `root` (itself included) that hold any file a run writes."""
+    for folder, subfolders, files in os.walk(root):
+        subfolders.sort()
+        if {"config.json", "metrics.csv", "checkpoint.pt"} & set(files):
+            yield folder
+
+
+def find_runs(roots, say):
+    """Every run under `roots`; each folder skipped is passed to `say` as one line."""
+    runs, skipped = [], []
+    for root in roots:
+        if not os.path.isdir(root):
+            raise UserError(f"{root}: no such folder; name the folder holding the runs "
+                            "(the scripts' --out, runs/ by default)")
+        found = 0
+        for folder in run_folders(root):
+            found += 1
+            name = os.path.relpath(folder, root)
+            name = os.path.basename(os.path.abspath(root)) if name == "." else name
+            try:
+                runs.append(Run(folder, name, read_config(folder), read_metrics(folder)))
+            except NotARun as exc:
+                skipped.append(f"{folder}: {exc}")
+                say(f"skipped {folder}: {exc}")
+        if not found:
+            say(f"{root}: holds no run folder (config.json and metrics.csv)")
+    order = list(TARGETS)
+    runs.sort(key=lambda r: (order.index(r.script) if r.script in order else len(order), r.name))
+    return runs, skipped
+
+
+# ------------------------------------------------------------------------------- writing
+
+def markdown(runs, skipped):
+    def cells(values):
+        return "| " + " | ".join(str(v).replace("|", "\\|") for v in values) + " |"
+
+    lines = ["# HW4 report", "",
+             "Final and best test accuracy of each run; the homework target applies on the "
+             "task's own data set, and counts as met when the final accuracy reaches it.", "",
+             cells(TABLE), cells(["---"] * len(TABLE))]
+    lines += [cells(run.table_row()) for run in runs]
+    lines += ["", "![test accuracy per epoch](report.png)", ""]
+    if skipped:
+        lines += ["Skipped (not a run, or half-written):", ""]
+        lines += [f"- {line}" for line in skipped] + [""]
+    return "\n".join(lines)
+
+
+def figure(runs):
+    """Test accuracy per epoch, a panel per data set, the targets as dashed lines; then async
+    runs' staleness per epoch.  A run keeps its colour in every panel."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    datasets = list(dict.fromkeys(run.dataset for run in runs))
+    stale = [run for run in runs if run.staleness]
+    panels = len(datasets) + bool(stale)
+    fig, axes = plt.subplots(1, panels, figsize=(PANEL_INCHES[0] * panels, PANEL_INCHES[1]),
+                             dpi=DPI, squeeze=False)
+    axes = list(axes[0])
+    colour = {id(run): f"C{i % 10}" for i, run in enumerate(runs)}
+    for ax, dataset in zip(axes, datasets):
+        here = [run for run in runs if run.dataset == dataset]
+        for run in here:
+            ax.plot([r["epoch"] for r in run.rows], [r["test_acc"] for r in run.rows],
+                    "o--" if run.in_progress else "o-", color=colour[id(run)], ms=3, lw=1.5,
+                    label=run.label)
+        targets = {}
+        for run in here:
+            if run.target is not None:
+                targets.setdefault(run.target, []).append(run.script)
+        for target, scripts in sorted(targets.items()):
+            ax.axhline(target, color="gray", ls="--", lw=1,
+                       label=f"target {target:g}%: {', '.join(dict.fromkeys(scripts))}")
+            ax.text(0.01, target + 1, f"target {target:g}%", color="gray", fontsize="x-small",
+                    transform=ax.get_yaxis_transform())  # x in axes fraction, y in data
+        ax.set(title=f"{dataset}: test accuracy", xlabel="epoch", ylabel="test accuracy (%)",
+               ylim=(0, 100))
+    if stale:
+        ax = axes[-1]
+        for run in stale:
+            epochs = [r["epoch"] for r in run.staleness]
+            ax.plot(epochs, [r["mean_staleness"] for r in run.staleness], "o-",
+                    color=colour[id(run)], ms=3, label=f"{run.name}: mean")
+            ax.plot(epochs, [r["max_staleness"] for r in run.staleness], ":",
+                    color=colour[id(run)], label=f"{run.name}: max")
+        ax.set(title="async SGD: staleness per epoch", xlabel="epoch",
+               ylabel="updates between read and apply", ylim=(0, None))
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize="x-small",
+                  frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def write_report(runs, skipped, out):
+    import matplotlib.pyplot as plt
+    try:
+        os.makedirs(out, exist_ok=True)
+        text = markdown(runs, skipped)
+
+        def write_text(tmp):
+            with open(tmp, "w") as f:
+                f.write(text)
+        atomic_write(os.path.join(out, "report.md"), write_text)
+        fig = figure(runs)
+        atomic_write(os.path.join(out, "report.png"),
+                     lambda tmp: fig.savefig(tmp, format="png"))
+        plt.close(fig)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write the report there ({exc.strerror}); "
+                        "choose a writable folder") from None
+
+
+class ReportHelp(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """The docstring's layout kept as written; the flags' defaults shown."""
+
+
+def parse_args(argv=None):
+    parser = Parser(description=__doc__, formatter_class=ReportHelp)
+    parser.add_argument("runs_dirs", nargs="*", metavar="RUNS_DIR",
+                        help="folders searched, at any depth, for run folders (default: runs)")
+    parser.add_argument("--out", help="folder that gets report.md and report.png "
+                                      "(default: the first RUNS_DIR)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    args.runs_dirs = args.runs_dirs or ["runs"]
+    runs, skipped = find_runs(args.runs_dirs, lambda line: print(line, file=sys.stderr))
+    if not runs:
+        raise UserError(f"no run to report under {', '.join(args.runs_dirs)}; train one first "
+                        "(e.g. python resnet_cifar100.py) or name the folders holding the runs")
+    out = args.out or args.runs_dirs[0]
+    write_report(runs, skipped, out)
+    in_progress = sum(run.in_progress for run in runs)
+    print(f"{os.path.join(out, 'report.md')}, {os.path.join(out, 'report.png')}: "
+          f"{len(runs)} runs ({in_progress} in progress), {len(skipped)} folders skipped")
+
+
+if __name__ == "__main__":
+    run_main(main)
