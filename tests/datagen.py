@@ -93,17 +93,22 @@ def _cifar_prototypes(num_classes, rng):
     return base + pattern
 
 
-def _cifar_split(labels, protos, rng, batch_label, num_classes):
+def _marked_images(labels, protos, rng):
+    """Class prototype + noise, with the label marker (R channel, row 0, col 0)."""
     n = len(labels)
     imgs = protos[labels] + rng.normal(0.0, 6.0, size=(n, 3, 32, 32))
     imgs = np.clip(np.rint(imgs), 0, 255).astype(np.uint8)
-    imgs[:, 0, 0, 0] = labels  # the label marker: R channel, row 0, col 0
+    imgs[:, 0, 0, 0] = labels
+    return imgs.reshape(n, 3072)
+
+
+def _cifar_split(data, labels, batch_label, num_classes):
     names = _fine_names(num_classes)
     return {
         b"batch_label": batch_label,
         b"fine_labels": [int(x) for x in labels],
         b"coarse_labels": [int(x) * 20 // num_classes for x in labels],
-        b"data": imgs.reshape(n, 3072),
+        b"data": np.ascontiguousarray(data, dtype=np.uint8).reshape(len(labels), 3072),
         b"filenames": [
             ("%s_s_%06d.png" % (names[int(lab)], i)).encode() for i, lab in enumerate(labels)
         ],
@@ -135,27 +140,17 @@ def _cycled_labels(n, num_classes, rng):
     return labels
 
 
-def make_cifar100(root, n_train=64, n_test=32, num_classes=100, seed=0) -> Path:
-    """Write ``root/cifar-100-python/{train,test,meta}`` like the official
-    python version (Python-2-style protocol-2 pickles: keys and strings load
-    as ``bytes`` with ``encoding='bytes'``, as ``str`` with ``'latin1'``);
-    return the ``cifar-100-python`` folder.
-
-    Labels are ``i % num_classes`` shuffled with the seed; the red pixel at
-    (0, 0) of every image equals its fine label (see module docstring).
-    Coarse labels are a synthetic mapping ``fine * 20 // num_classes``.
-    """
-    if not 1 <= num_classes <= 256:
-        raise ValueError("num_classes must be in [1, 256] (label stored in a uint8 pixel)")
-    rng = np.random.default_rng(seed)
+def write_cifar100_pickles(root, train, test, num_classes=100) -> Path:
+    """Write ``root/cifar-100-python/{train,test,meta}`` like the official python version
+    (Python-2-style protocol-2 pickles: keys and strings load as ``bytes`` with
+    ``encoding='bytes'``, as ``str`` with ``'latin1'``); return the ``cifar-100-python``
+    folder.  `train` and `test` are (uint8 data N x 3072, labels) pairs.  Coarse labels are a
+    synthetic mapping ``fine * 20 // num_classes``."""
     out = Path(root) / "cifar-100-python"
     out.mkdir(parents=True, exist_ok=True)
-    protos = _cifar_prototypes(num_classes, rng)
     splits = {
-        "train": _cifar_split(_cycled_labels(n_train, num_classes, rng), protos, rng,
-                              b"training batch 1 of 1", num_classes),
-        "test": _cifar_split(_cycled_labels(n_test, num_classes, rng), protos, rng,
-                             b"testing batch 1 of 1", num_classes),
+        "train": _cifar_split(*train, b"training batch 1 of 1", num_classes),
+        "test": _cifar_split(*test, b"testing batch 1 of 1", num_classes),
         "meta": {
             b"fine_label_names": [s.encode() for s in _fine_names(num_classes)],
             b"coarse_label_names": [s.encode() for s in CIFAR100_COARSE_LABEL_NAMES],
@@ -165,6 +160,23 @@ def make_cifar100(root, n_train=64, n_test=32, num_classes=100, seed=0) -> Path:
         with open(out / name, "wb") as f:
             _Py2Pickler(f, protocol=2).dump(obj)
     return out
+
+
+def make_cifar100(root, n_train=64, n_test=32, num_classes=100, seed=0) -> Path:
+    """Write marker-pixel images in the CIFAR-100 layout (see `write_cifar100_pickles`).
+
+    Labels are ``i % num_classes`` shuffled with the seed; the red pixel at
+    (0, 0) of every image equals its fine label (see module docstring).
+    """
+    if not 1 <= num_classes <= 256:
+        raise ValueError("num_classes must be in [1, 256] (label stored in a uint8 pixel)")
+    rng = np.random.default_rng(seed)
+    protos = _cifar_prototypes(num_classes, rng)
+    splits = []
+    for n in (n_train, n_test):
+        labels = _cycled_labels(n, num_classes, rng)
+        splits.append((_marked_images(labels, protos, rng), labels))
+    return write_cifar100_pickles(root, *splits, num_classes=num_classes)
 
 
 def _to_numpy_chw(img):
@@ -279,13 +291,15 @@ def _rand_box(rng, size):
 
 
 def make_tinyimagenet(root, n_classes=4, n_train_per_class=6, n_val_per_class=3,
-                      seed=0, size=64) -> Path:
+                      seed=0, size=64, draw=None) -> Path:
     """Write ``root/tiny-imagenet-200`` in the distributed layout; return it.
 
     ``wnids.txt`` is deliberately unsorted; the label encoded in each image is
     the index of its wnid in SORTED order.  Every image whose index (within its
     class for train, global for val/test) is 4 mod 5 is grayscale ('L').
     Val images are interleaved round-robin over classes in wnids.txt order.
+    `draw(k, rng, size)`, if given, returns the uint8 CHW image of class k to
+    write instead of the class code (tests/yardstick.py).
     """
     if not 1 <= n_classes <= _TINY_MAX_CLASSES:
         raise ValueError("n_classes must be in [1, %d]" % _TINY_MAX_CLASSES)
@@ -302,6 +316,12 @@ def make_tinyimagenet(root, n_classes=4, n_train_per_class=6, n_val_per_class=3,
     words += [(w, "unused synset") for w in extra if w not in index]
     (out / "words.txt").write_text("".join("%s\t%s\n" % wv for wv in sorted(words)))
 
+    def image(k, gray):
+        if draw is None:
+            return tiny_code_image(k, rng, size, size, gray=gray)
+        img = Image.fromarray(np.ascontiguousarray(draw(k, rng, size).transpose(1, 2, 0)), "RGB")
+        return img.convert("L") if gray else img
+
     def save(img, path):
         img.save(path, format="JPEG", quality=95)
 
@@ -311,8 +331,7 @@ def make_tinyimagenet(root, n_classes=4, n_train_per_class=6, n_val_per_class=3,
         lines = []
         for i in range(n_train_per_class):
             fname = "%s_%d.JPEG" % (w, i)
-            save(tiny_code_image(index[w], rng, size, size, gray=(i % 5 == 4)),
-                 cdir / "images" / fname)
+            save(image(index[w], i % 5 == 4), cdir / "images" / fname)
             lines.append("%s\t%d\t%d\t%d\t%d\n" % ((fname,) + _rand_box(rng, size)))
         (cdir / ("%s_boxes.txt" % w)).write_text("".join(lines))
 
@@ -320,13 +339,12 @@ def make_tinyimagenet(root, n_classes=4, n_train_per_class=6, n_val_per_class=3,
     order = [w for _ in range(n_val_per_class) for w in wnids]  # round-robin
     for k, w in enumerate(order):
         fname = "val_%d.JPEG" % k
-        save(tiny_code_image(index[w], rng, size, size, gray=(k % 5 == 4)),
-             out / "val" / "images" / fname)
+        save(image(index[w], k % 5 == 4), out / "val" / "images" / fname)
         val_lines.append("%s\t%s\t%d\t%d\t%d\t%d\n" % ((fname, w) + _rand_box(rng, size)))
     (out / "val" / "val_annotations.txt").write_text("".join(val_lines))
 
     for k in range(n_classes * n_val_per_class):
-        save(tiny_code_image(int(rng.integers(n_classes)), rng, size, size, gray=(k % 5 == 4)),
+        save(image(int(rng.integers(n_classes)), k % 5 == 4),
              out / "test" / "images" / ("test_%d.JPEG" % k))
     return out
 

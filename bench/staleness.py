@@ -1,0 +1,258 @@
+"""Async SGD update rules under exact staleness, simulated in one process on the yardstick.
+
+    python bench/staleness.py --rule plain --workers 1 2 4 8 --epochs 6
+    python bench/staleness.py --rule plain lookahead dcasgd --workers 4 --seeds 0 1 2
+
+N workers take turns (round robin), each computing its gradient on the parameters the server
+last sent *it*: every gradient is exactly N - 1 updates stale, as in the real parameter server
+with N workers of equal speed, but deterministic and without N processes on 2 cores.  Each
+worker keeps its own BatchNorm running statistics and the server evaluates with the latest
+worker's, as async_sgd_cifar100.py does.  The data, model, optimizer, schedule and evaluation
+are the scripts' own (common/).  This is how the async update rule was chosen
+(BENCHMARKS.md, "Async SGD under staleness"); bench/convergence.py then checks the choice
+with the real script under mpirun.
+
+Rules (the server's treatment of a gradient computed on parameters `tau` updates old):
+  plain       apply it as it comes (SGD + Nesterov momentum, the slides' Algorithm 2)
+  lookahead   reply with the parameters extrapolated `tau` updates ahead along the momentum
+              (theta - tau * lr * v), so the gradient is computed about where it will land
+  dcasgd      delay compensation (Zheng et al. 2017, DC-ASGD-a):
+              g + lambda * g * g * (theta_now - theta_sent) / sqrt(mean g^2)
+  stalelr     divide the learning rate by tau (Zhang et al. 2016)
+  nomomentum  momentum 0 and the learning rate x 1 / (1 - 0.9), the same step size
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import util  # noqa: E402  (sets sys.path for the repository)
+sys.path.insert(0, util.TESTS_DIR)  # the yardstick lives with the tests
+
+import torch  # noqa: E402
+
+from common import data, engine  # noqa: E402
+from common.model import build_model  # noqa: E402
+
+
+class Rule:
+    """The server's update rule: how it applies a gradient computed `tau` updates ago, and
+    which parameters it replies with.  Three independent choices (see the module docstring):
+
+    momentum   "global": one Nesterov momentum buffer (torch.optim.SGD's update, by hand);
+               "dana": one buffer per worker, the reply looking ahead along all of them
+    correction "none"; "dc": delay compensation; "ga": gap-aware damping
+    lr         "fixed"; "stale": divided by tau
+    """
+
+    def __init__(self, server, scheduler, n_workers, args, momentum="global", correction="none",
+                 lr="fixed"):
+        self.params = [p for p in server.parameters()]
+        self.scheduler, self.args = scheduler, args
+        self.mu, self.tau = args.momentum, n_workers - 1
+        self.style, self.correction, self.lr_rule = momentum, correction, lr
+        self.decay = [args.weight_decay if p.ndim > 1 else 0.0 for p in self.params]
+        zeros = lambda: [torch.zeros_like(p) for p in self.params]  # noqa: E731
+        self.v = {w: zeros() for w in range(n_workers)} if momentum == "dana" else {0: zeros()}
+        self.total = zeros()  # dana: the sum of every worker's buffer
+        self.sent = {}
+        if correction == "dc":
+            self.mean_square = zeros()
+        if correction == "ga":
+            self.step_size = None  # running mean of |parameter change| per update
+
+    def lr(self):
+        return self.scheduler.get_last_lr()[0]
+
+    @torch.no_grad()
+    def reply(self, worker):
+        """The parameters worker `worker` computes its next gradient on."""
+        if self.style == "dana":
+            out = [p - self.lr() * self.mu * t for p, t in zip(self.params, self.total)]
+        else:
+            out = [p.detach().clone() for p in self.params]
+        if self.correction != "none":
+            self.sent[worker] = out
+        return out
+
+    @torch.no_grad()
+    def apply(self, worker, grads):
+        lr = self.lr()
+        if self.lr_rule == "stale" and self.tau > 0:
+            lr = lr / self.tau
+        if self.correction == "dc":
+            lam = self.args.dc_lambda
+            for g, ms, p, old in zip(grads, self.mean_square, self.params, self.sent[worker]):
+                ms.mul_(0.95).addcmul_(g, g, value=0.05)
+                g.add_(lam * g * g * (p - old) / (ms.sqrt() + 1e-7))
+        if self.correction == "ga" and self.step_size is not None:
+            for g, c, p, old in zip(grads, self.step_size, self.params, self.sent[worker]):
+                gap = (p - old).abs() / (c + 1e-12)  # in typical steps
+                g.div_(gap.add_(1.0) if self.args.ga_form == "plus" else gap.clamp_(min=1.0))
+        before = [p.clone() for p in self.params] if self.correction == "ga" else None
+        v = self.v[worker if self.style == "dana" else 0]
+        for p, g, vi, tot, wd in zip(self.params, grads, v, self.total, self.decay):
+            if wd:
+                g.add_(p, alpha=wd)
+            if self.style == "dana":
+                tot.sub_(vi)
+                vi.mul_(self.mu).add_(g)
+                tot.add_(vi)
+                p.sub_(vi, alpha=lr)
+            else:  # torch.optim.SGD(nesterov=True)
+                vi.mul_(self.mu).add_(g)
+                p.sub_(g.add(vi, alpha=self.mu), alpha=lr)
+        if before is not None:
+            moved = [(p - b).abs() for p, b in zip(self.params, before)]
+            if self.step_size is None:
+                self.step_size = moved
+            else:
+                for c, m in zip(self.step_size, moved):
+                    c.mul_(self.args.ga_beta).add_(m, alpha=1 - self.args.ga_beta)
+        self.scheduler.step()
+
+
+RULES = {  # name: (momentum, correction, lr)
+    "plain": ("global", "none", "fixed"), "dana": ("dana", "none", "fixed"),
+    "dcasgd": ("global", "dc", "fixed"), "danadc": ("dana", "dc", "fixed"),
+    "ga": ("global", "ga", "fixed"), "danaga": ("dana", "ga", "fixed"),
+    "stalelr": ("global", "none", "stale"), "nomomentum": ("global", "none", "fixed"),
+}
+
+
+def trainer_args(args, rule):
+    a = argparse.Namespace(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+                           epochs=args.epochs, warmup_epochs=args.warmup_epochs)
+    if rule == "nomomentum":
+        a.lr, a.momentum = args.lr / (1 - args.momentum), 0.0
+    return a
+
+
+def simulate(train, test, rule, n_workers, seed, args, log=print):
+    """Train with `n_workers` round-robin workers under `rule`; test accuracy per epoch."""
+    torch.manual_seed(seed)
+    device = torch.device("cpu")
+    run = argparse.Namespace(device=device, amp=args.amp)
+    base = build_model("hw4", len(train.classes), 0.1)
+    server = base.to(device)
+    workers = [copy.deepcopy(base).to(memory_format=torch.channels_last) if args.amp
+               else copy.deepcopy(base) for _ in range(n_workers)]
+    mean, std = data.normalization("cifar100")
+    loaders = [data.DeviceLoader(train, args.batch_size, device, train=True, mean=mean, std=std,
+                                 rank=i, world_size=n_workers, seed=seed, channels_last=args.amp)
+               for i in range(n_workers)]
+    test_loader = data.DeviceLoader(test, 500, device, train=False, mean=mean, std=std)
+    targs = trainer_args(args, rule)
+    optimizer = engine.make_optimizer(server, targs)
+    steps = len(loaders[0]) * n_workers
+    scheduler = engine.make_scheduler(optimizer, targs, steps)
+    momentum, correction, lr_rule = RULES[rule]
+    rule_args = argparse.Namespace(**vars(args))
+    rule_args.momentum = targs.momentum
+    server_rule = Rule(server, scheduler, n_workers, rule_args, momentum, correction, lr_rule)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    for w in range(n_workers):
+        load(workers[w], server_rule.reply(w))
+    curve, losses = [], []
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        iters = []
+        for w, loader in enumerate(loaders):
+            loader.set_epoch(epoch)
+            iters.append(iter(loader))
+        torch.manual_seed(seed * 1000 + epoch)
+        loss_sum, seen = 0.0, 0
+        for _ in range(len(loaders[0])):
+            for w in range(n_workers):  # round robin: staleness n_workers - 1
+                images, labels = next(iters[w])
+                model = workers[w]
+                model.train()
+                with engine.autocast(run):
+                    loss = criterion(model(images), labels)
+                model.zero_grad(set_to_none=True)
+                loss.backward()
+                grads = [p.grad.float().contiguous() for p in model.parameters()]
+                server_rule.apply(w, grads)
+                load(model, server_rule.reply(w))
+                loss_sum += loss.item() * len(labels)
+                seen += len(labels)
+        # evaluate the server's parameters with the latest worker's BatchNorm statistics
+        for b_server, b_worker in zip(server.buffers(), workers[-1].buffers()):
+            b_server.copy_(b_worker)
+        test_loss, acc = engine.evaluate(server, test_loader, argparse.Namespace(
+            device=device, amp=False))
+        curve.append(round(acc, 2))
+        losses.append(round(loss_sum / seen, 4))
+        log(f"  {rule:10s} N={n_workers} seed {seed} epoch {epoch + 1}: train loss "
+            f"{loss_sum / seen:.3f} test acc {acc:.2f}% ({time.perf_counter() - start:.0f} s)")
+    return {"rule": rule, "workers": n_workers, "seed": seed, "test_acc": curve,
+            "train_loss": losses}
+
+
+@torch.no_grad()
+def load(model, tensors):
+    for p, t in zip(model.parameters(), tensors):
+        p.copy_(t)
+
+
+def yardstick(n_train, n_test, seed):
+    """The yardstick (tests/yardstick.py) in memory, as ImageSets."""
+    from yardstick import balanced_labels, yardstick_images, NUM_CLASSES
+    sets = []
+    for n, offset in ((n_train, 0), (n_test, 1)):
+        labels = balanced_labels(n, NUM_CLASSES, seed * 2 + offset)
+        images = yardstick_images(labels, 32, seed * 2 + offset + 1000)
+        sets.append(data.ImageSet(torch.from_numpy(images), torch.from_numpy(labels),
+                                  [str(i) for i in range(NUM_CLASSES)]))
+    return sets
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--rule", nargs="+", default=["plain"], choices=sorted(RULES))
+    p.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4, 8])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0])
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--warmup-epochs", type=float, default=1.0)
+    p.add_argument("--ahead", type=float, default=None,
+                   help="lookahead: updates to extrapolate (default: workers - 1)")
+    p.add_argument("--dc-lambda", type=float, default=2.0)
+    p.add_argument("--ga-form", choices=["max", "plus"], default="max",
+                   help="gap-aware divisor: max(1, gap) or 1 + gap (gap in typical steps)")
+    p.add_argument("--ga-beta", type=float, default=0.99,
+                   help="gap-aware: decay of the running mean step size")
+    p.add_argument("--train", type=int, default=5000)
+    p.add_argument("--test", type=int, default=2000)
+    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--json", help="append each result as a JSON line here")
+    args = p.parse_args(argv)
+    # The rules step the LR schedule themselves (the optimizer only holds the LR).
+    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
+    train, test = yardstick(args.train, args.test, 0)
+    for seed in args.seeds:
+        for rule in args.rule:
+            for n in args.workers:
+                res = simulate(train, test, rule, n, seed, args)
+                res.update(lr=args.lr, batch=args.batch_size, epochs=args.epochs,
+                           ahead=args.ahead, dc_lambda=args.dc_lambda, ga_form=args.ga_form,
+                           ga_beta=args.ga_beta)
+                print(json.dumps(res), flush=True)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()
