@@ -2,20 +2,29 @@
 
     mpirun -np 3 python async_sgd_cifar100.py      # 1 server + 2 workers (any launcher works)
 
-Rank 0 is the parameter server: it holds the model and the optimizer.  Every other rank is a
-worker that trains on its own shard of the data:
+Rank 0 is the parameter server; every other rank is a worker training on its own shard:
 
-    loop:  compute a gradient on a mini-batch
-           isend it, as one flat tensor, to the server
-           irecv the server's current parameters and continue from them
+    worker:  compute a gradient on a mini-batch, at the parameters it holds
+             isend it to the server; irecv the server's parameters; continue from them
+    server:  receive a gradient from whichever worker sends first (not a fixed 1..N order)
+             apply it at once (the update rule, `Server.apply`); isend that worker parameters
 
-The server serves whichever worker's gradient arrives first (a receive from any source, not a
-fixed 1..N order) and applies each gradient as it arrives.  A gradient is *stale* by the number
-of updates the server applied between sending that worker its parameters and receiving the
-gradient computed from them; --staleness-lr divides the learning rate by it.  Each worker
-announces when its epochs are done; when all have, the server evaluates, writes its outputs
-and releases everyone.  The server evaluates the test set once per epoch-equivalent of
-updates (training-set size / batch size), so the curve has a point per epoch.
+--batch-size is the global batch, as in sync SGD: each of N workers computes on batch / N
+samples, and N updates, each with the learning rate / N, add up to one step of sync SGD.
+A gradient is *stale* by the number of updates the server applied between sending that worker
+its parameters and receiving the gradient computed from them: about N - 1, one sync step.
+
+The update rule is Nesterov momentum with one buffer per worker (DANA, Hakimi et al. 2019):
+worker i's gradient g moves only its own buffer, v_i <- mu v_i + g, and the parameters,
+theta <- theta - lr v_i; the server replies with the parameters looked ahead along every
+worker's buffer, theta - lr mu sum_j v_j -- about where the next N updates take them -- so each
+gradient is computed near where it will be applied.  The slides' rule (one momentum buffer,
+each gradient applied as it comes) diverges on this network with gradients one update stale;
+BENCHMARKS.md ("Async SGD under staleness") has the rules tried and what each scored.
+
+The server evaluates the test set once per epoch-equivalent of updates (training samples /
+global batch), so the curve has a point per epoch.  Each worker announces when its epochs are
+done; when all have, the server writes its outputs and releases them.
 """
 import math
 import signal
@@ -24,149 +33,192 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import cli, data, distributed, engine
-from common.checkpoint import unwrap
-from common.errors import Interrupted, NonFiniteLoss, PeerLost, UserError
+from common import data, distributed, flags, loader, outputs, process, training
+from common.checkpoint import Checkpoint
+from common.launch import detect_launch
 from common.model import build_model
+from common.process import Interrupted, NonFiniteLoss, PeerLost, UserError
 
 SCRIPT = "async_sgd_cifar100"
 TARGET = 60.0  # the homework's test-accuracy target, % (on cifar100)
 
-# A worker's message: [kind, samples, correct, loss sum | gradients | BatchNorm buffers].
+# The recipe: sync SGD's, with --batch-size the global batch (each of N workers computes on
+# batch / N samples, each update uses --lr / N): 40 epochs; momentum 0.9 (per worker, above),
+# weight decay 5e-4 on conv and linear weights; the learning rate warms up linearly to 0.1
+# over the first epoch, then follows a cosine to 0, per update; random crop and flip; label
+# smoothing 0.1 on the training loss only.
+RECIPE = dict(epochs=40, batch_size=128, lr=0.1, momentum=0.9, weight_decay=5e-4,
+              warmup_epochs=1.0, label_smoothing=0.1)
+
+# The messages, one flat float32 tensor each (one isend / irecv moves each):
+#   worker -> server  [kind, samples, correct, loss sum | gradient | BatchNorm buffers]
+#   server -> worker  [status | parameters]     status: CONTINUE, or the exit status to stop with
 GRADIENT, DONE, STOPPING = 0.0, 1.0, 2.0
 HEADER = 4
-# The server's reply: [status | parameters]; status 0 = go on, else the exit status to stop with.
 CONTINUE = 0.0
-
-
-def _cat_into(tensors, out):
-    """Concatenate straight into `out` (a CPU message) when the tensors are on the CPU too: one
-    pass over 14 MB instead of two."""
-    if tensors[0].device == out.device:
-        torch.cat(tensors, out=out)
-    else:
-        out.copy_(torch.cat(tensors))
 
 
 class Layout:
     """Where each parameter and BatchNorm buffer sits in the flat messages."""
 
     def __init__(self, model):
-        self.params = [p for p in model.parameters()]
+        self.params = list(model.parameters())
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self.n_params = sum(p.numel() for p in self.params)
+        self.sizes = [p.numel() for p in self.params]
+        self.n_params = sum(self.sizes)
         self.n_buffers = sum(b.numel() for b in self.buffers)
         self.message_size = HEADER + self.n_params + self.n_buffers
         self.reply_size = 1 + self.n_params
 
-    def write_params(self, out):
-        _cat_into([p.detach().reshape(-1) for p in self.params], out)
+    def pack_gradient(self, message):
+        """This model's gradient and BatchNorm statistics into a message (in one pass)."""
+        tensors = [p.grad.reshape(-1) for p in self.params] + [b.reshape(-1) for b in self.buffers]
+        _cat_into(tensors, message[HEADER:])
 
-    def load_params(self, flat):
-        for p, chunk in zip(self.params, flat.to(self.params[0].device).split(
-                [p.numel() for p in self.params])):
+    def load_parameters(self, flat):
+        for p, chunk in zip(self.params, flat.to(self.params[0].device).split(self.sizes)):
             p.data.copy_(chunk.view_as(p))
 
-    def pack_gradient(self, message):
-        _cat_into([p.grad.reshape(-1) for p in self.params] +
-                  [b.reshape(-1) for b in self.buffers], message[HEADER:])
 
-    def unpack_gradient(self, message):
-        """Set each .grad and BN buffer from a received message (the latest worker's stats)."""
-        body = message[HEADER:].to(self.params[0].device)
-        grads, bufs = body.split([self.n_params, self.n_buffers])
-        for p, g in zip(self.params, grads.split([p.numel() for p in self.params])):
-            p.grad = g.view_as(p)
-        for b, v in zip(self.buffers, bufs.split([b.numel() for b in self.buffers])):
-            b.copy_(v.view_as(b))
+def _cat_into(tensors, out):
+    """Concatenate straight into `out` (a CPU message) when the tensors are on the CPU too."""
+    if tensors[0].device == out.device:
+        torch.cat(tensors, out=out)
+    else:
+        out.copy_(torch.cat(tensors))
+
+
+# ----------------------------------------------------------------------------------- worker
+
+def work(model, train_loader, args, proc, start_epoch):
+    """Compute gradients on this worker's shard; exchange each with the server."""
+    layout = Layout(model)
+    message, reply = torch.zeros(layout.message_size), torch.zeros(layout.reply_size)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+    sent = 0
+    for epoch in range(start_epoch, args.epochs):
+        train_loader.set_epoch(epoch)  # a new shuffle (and crops and flips) every epoch
+        torch.manual_seed(training.epoch_seed(args.seed, epoch, proc.rank))  # dropout masks
+        model.train()
+        for images, labels in train_loader:
+            with proc.autocast():
+                output = model(images)
+                loss = criterion(output, labels)
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            message[:HEADER] = torch.tensor([GRADIENT, labels.numel(),
+                                             (output.argmax(1) == labels).sum().item(),
+                                             loss.item() * labels.numel()])
+            layout.pack_gradient(message)
+            answer = dist.irecv(reply, src=0)  # the server's reply ...
+            dist.isend(message, dst=0).wait()  # ... to this gradient
+            answer.wait()
+            sent += 1
+            if reply[0].item() != CONTINUE:  # the server says stop, with this exit status
+                raise stop_error(int(reply[0].item()), proc.rank)
+            layout.load_parameters(reply[1:])  # continue from the server's parameters
+            if proc.stop.signum:  # this worker was asked to stop: tell the server
+                message[0] = STOPPING
+                dist.isend(message, dst=0).wait()
+                raise Interrupted(f"worker {proc.rank}: stopped by {proc.stop.name}; the "
+                                  "server writes the checkpoint", proc.stop.signum)
+            if args.straggler_delay and proc.rank == 1:
+                time.sleep(args.straggler_delay)
+    message[:HEADER] = torch.tensor([DONE, sent, 0, 0])
+    dist.isend(message, dst=0).wait()
 
 
 def stop_error(status, rank):
     """The exception a worker stops with when the server's reply says stop."""
+    if status == PeerLost.exit_code:
+        return PeerLost(f"worker {rank}: the parameter server lost another worker and stopped; "
+                        "run the same command to resume")
     if status >= 128:
         return Interrupted(f"worker {rank}: stopped by the parameter server (signal); its "
                            "checkpoint is written; run the same command to resume", status - 128)
     return NonFiniteLoss(f"worker {rank}: stopped by the parameter server (non-finite loss)")
 
 
-# ----------------------------------------------------------------------------- worker
-
-def work(model, loader, args, run, start_epoch):
-    """Compute gradients on this worker's shard; exchange each with the server."""
-    layout = Layout(model)
-    message = torch.zeros(layout.message_size)
-    reply = torch.zeros(layout.reply_size)
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
-    sent = 0
+def released(proc):
+    """After DONE, wait for the server's word that the outputs are written (0: success)."""
+    status = torch.zeros(1)
     try:
-        for epoch in range(start_epoch, args.epochs):
-            loader.set_epoch(epoch)
-            torch.manual_seed(engine.epoch_seed(args.seed, epoch, run.rank))
-            model.train()
-            for images, labels in loader:
-                with engine.autocast(run):
-                    output = model(images)
-                    loss = criterion(output, labels)
-                model.zero_grad(set_to_none=True)
-                loss.backward()
-                message[:HEADER] = torch.tensor([GRADIENT, labels.numel(),
-                                                 (output.argmax(1) == labels).sum().item(),
-                                                 loss.item() * labels.numel()])
-                layout.pack_gradient(message)
-                answer = dist.irecv(reply, src=0)
-                dist.isend(message, dst=0).wait()
-                answer.wait()
-                sent += 1
-                if reply[0].item() != CONTINUE:
-                    raise stop_error(int(reply[0].item()), run.rank)
-                layout.load_params(reply[1:])
-                if run.stop.signum:  # this worker was asked to stop: tell the server
-                    message[0] = STOPPING
-                    dist.isend(message, dst=0).wait()
-                    raise Interrupted(f"worker {run.rank}: stopped by {run.stop.name}; the "
-                                      "server writes the checkpoint", run.stop.signum)
-                if args.straggler_delay and run.rank == 1:
-                    time.sleep(args.straggler_delay)
-        message[:HEADER] = torch.tensor([DONE, sent, 0, 0])
-        dist.isend(message, dst=0).wait()
-    except RuntimeError as exc:
-        if not distributed.is_peer_failure(exc):
-            raise
-        raise PeerLost(f"worker {run.rank} lost the parameter server "
-                       f"({distributed.failure_line(exc)})") from None
-    release = torch.zeros(1)
-    try:
-        dist.recv(release, src=0)  # released once the server's outputs are written
+        dist.recv(status, src=0)
     except RuntimeError as exc:  # this worker's part is done either way
-        print(f"worker {run.rank}: done, but the server did not release it "
+        print(f"worker {proc.rank}: done, but the server did not release it "
               f"({distributed.failure_line(exc, 100)})", flush=True)
         return False
-    return release.item() == 0  # 0: the run succeeded and everyone meets at a last barrier
+    return status.item() == 0
 
 
-# ----------------------------------------------------------------------------- server
+# ----------------------------------------------------------------------------------- server
 
 class Server:
-    """Applies gradients as they arrive, tracks staleness, evaluates once per epoch-equivalent."""
+    """Holds the parameters, applies each gradient as it arrives, evaluates every epoch."""
 
-    def __init__(self, trainer, n_workers, updates_per_epoch):
-        self.trainer, self.run = trainer, trainer.run
-        self.updates_per_epoch = updates_per_epoch
-        self.layout = Layout(unwrap(trainer.model))
-        self.workers = list(range(1, n_workers + 1))
-        self.reply = {w: torch.zeros(self.layout.reply_size) for w in self.workers}
-        self.pending = {}
-        self.version = trainer.start_epoch * updates_per_epoch  # updates applied so far
-        self.sent_version = {w: self.version for w in self.workers}
+    def __init__(self, model, n_workers, args, proc, test_loader, state, updates_per_epoch,
+                 checkpoint, folder):
+        self.model, self.args, self.proc, self.test_loader = model, args, proc, test_loader
+        self.state, self.checkpoint, self.folder = state, checkpoint, folder
+        self.n_workers, self.updates_per_epoch = n_workers, updates_per_epoch
+        self.layout = Layout(model)
+        # The parameters as one flat tensor, the model's parameters views into it: each
+        # update is a few passes over one vector.
+        self.theta = torch.cat([p.detach().reshape(-1) for p in self.layout.params])
+        for p, view in zip(self.layout.params, self.theta.split(self.layout.sizes)):
+            p.data = view.view_as(p)
+        self.decay = torch.cat([torch.full((p.numel(),), args.weight_decay if p.ndim > 1 else 0.0,
+                                           device=self.theta.device) for p in self.layout.params])
+        self.mu = args.momentum
+        momentum = state.extra.get("momentum") or []  # one buffer per worker, resumed if it fits
+        if len(momentum) != n_workers:
+            momentum = [torch.zeros_like(self.theta) for _ in range(n_workers)]
+        self.v = {w + 1: m.to(self.theta.device) for w, m in enumerate(momentum)}
+        self.total = sum(self.v.values())  # sum over workers of their buffers
+        self.version = state.extra.get("updates", state.epoch * updates_per_epoch)
+        self.workers = list(self.v)
+        self.replies = {w: torch.zeros(self.layout.reply_size) for w in self.workers}
+        self.pending, self.sent_version = {}, {w: self.version for w in self.workers}
         self.applied = {w: 0 for w in self.workers}
-        self._new_epoch()
+        self.statistics = {}  # each worker's latest BatchNorm running statistics
+        self.new_epoch()
 
-    def _new_epoch(self):
-        self.totals = [0.0, 0.0, 0.0]  # loss sum, correct, samples
-        self.staleness = []
-        self.busy = 0.0
-        self.lr = self.trainer.scheduler.get_last_lr()[0]
-        self.started = time.perf_counter()
+    def lr(self):
+        """This update's learning rate: the schedule's, divided among the N updates that make
+        up one global batch."""
+        return self.args.lr / self.n_workers * training.lr_factor(self.version, self.args,
+                                                                  self.updates_per_epoch)
+
+    def apply(self, worker, message):
+        """The update rule: worker i's gradient moves its own momentum buffer, and the
+        parameters by it (weight decay on conv and linear weights is part of the gradient)."""
+        body = message[HEADER:].to(self.theta.device)
+        gradient, buffers = body.split([self.layout.n_params, self.layout.n_buffers])
+        gradient.addcmul_(self.decay, self.theta)  # + weight decay * theta
+        v = self.v[worker]
+        self.total.sub_(v)
+        v.mul_(self.mu).add_(gradient)  # v_i <- mu v_i + g
+        self.total.add_(v)
+        self.theta.sub_(v, alpha=self.lr())  # theta <- theta - lr v_i
+        self.statistics[worker] = buffers.clone()  # its latest BatchNorm statistics
+        self.staleness.append(self.version - self.sent_version[worker])
+        self.version += 1
+        self.applied[worker] += 1
+        samples, correct, loss_sum = message[1:HEADER].tolist()
+        self.totals = [self.totals[0] + loss_sum, self.totals[1] + correct,
+                       self.totals[2] + samples]
+
+    def reply(self, worker, status):
+        """Send `worker` the parameters to compute its next gradient on: looked ahead along
+        every worker's momentum, theta - lr mu sum_j v_j."""
+        if worker in self.pending:
+            self.pending[worker].wait()  # the previous reply to it has left the buffer
+        out = self.replies[worker]
+        out[0] = status
+        ahead = torch.add(self.theta, self.total, alpha=-self.lr() * self.mu)
+        out[1:].copy_(ahead)
+        self.pending[worker] = dist.isend(out, dst=worker)
+        self.sent_version[worker] = self.version
 
     def serve(self):
         """Serve until every worker is done, stopped, or silent for --timeout seconds."""
@@ -180,7 +232,7 @@ class Server:
                     raise
                 failure = PeerLost(
                     f"the parameter server lost worker(s) {sorted(active)} before they finished: "
-                    f"one died, or sent nothing for --timeout {self.trainer.args.timeout:g} s "
+                    f"one died, or sent nothing for --timeout {self.args.timeout:g} s "
                     f"({distributed.failure_line(exc, 100)}); {self.saved()}")
                 break
             begin = time.perf_counter()
@@ -193,11 +245,11 @@ class Server:
             if failure is not None:  # stop: this gradient is not applied
                 active.discard(worker)
                 if kind == GRADIENT:
-                    self.send(worker, failure.exit_code)
+                    self.reply(worker, failure.exit_code)
                 continue
             self.apply(worker, message)
             try:
-                self.send(worker, CONTINUE)
+                self.reply(worker, CONTINUE)
             except RuntimeError as exc:
                 if not distributed.is_peer_failure(exc):
                     raise
@@ -211,43 +263,64 @@ class Server:
 
     def check(self, kind, message):
         """The reason to stop everyone, if there is one."""
-        if kind == STOPPING or self.run.stop.signum:
-            signum = self.run.stop.signum or signal.SIGTERM
+        if kind == STOPPING or self.proc.stop.signum:
+            signum = self.proc.stop.signum or signal.SIGTERM
             return Interrupted(f"stopped by {signal.Signals(signum).name} after {self.version} "
-                               f"updates: checkpoint written to {self.trainer.path}; run the same "
-                               "command to resume", signum)
+                               f"updates: checkpoint written to {self.checkpoint.path}; run the "
+                               "same command to resume", signum)
         if not math.isfinite(message[3].item()):
             return NonFiniteLoss(f"loss became non-finite after {self.version} updates; the last "
-                                 f"good checkpoint in {self.run.out} is kept; lower --lr")
+                                 f"good checkpoint in {self.proc.out} is kept; lower --lr")
         return None
 
-    def apply(self, worker, message):
-        trainer = self.trainer
-        staleness = self.version - self.sent_version[worker]
-        self.layout.unpack_gradient(message)
-        if trainer.args.staleness_lr and staleness > 0:
-            for group, lr in zip(trainer.optimizer.param_groups, trainer.scheduler.get_last_lr()):
-                group["lr"] = lr / staleness
-        trainer.optimizer.step()
-        trainer.scheduler.step()  # also restores the scheduled learning rate
-        self.version += 1
-        self.applied[worker] += 1
-        self.staleness.append(staleness)
-        samples, correct, loss_sum = message[1:HEADER].tolist()
-        self.totals = [self.totals[0] + loss_sum, self.totals[1] + correct,
-                       self.totals[2] + samples]
+    def new_epoch(self):
+        self.totals = [0.0, 0.0, 0.0]  # loss sum, correct, samples
+        self.staleness, self.busy = [], 0.0
+        self.lr_at_start = self.lr()
+        self.started = time.perf_counter()
 
-    def send(self, worker, status):
-        if worker in self.pending:
-            self.pending[worker].wait()  # the previous reply to it has left the buffer
-        self.reply[worker][0] = status
-        self.layout.write_params(self.reply[worker][1:])
-        self.pending[worker] = dist.isend(self.reply[worker], dst=worker)
-        self.sent_version[worker] = self.version
+    def average_statistics(self):
+        """The model's BatchNorm statistics: the mean of the workers' latest (as sync SGD
+        averages them over ranks), so that one model is evaluated and saved."""
+        if self.statistics:
+            mean = torch.stack(list(self.statistics.values())).mean(0)
+            for b, values in zip(self.layout.buffers, mean.split(
+                    [b.numel() for b in self.layout.buffers])):
+                b.copy_(values.view_as(b))
+
+    def end_epoch(self):
+        seconds = time.perf_counter() - self.started
+        self.average_statistics()
+        test_loss, test_acc = training.evaluate(self.model, self.test_loader, self.proc)
+        epoch = math.ceil(self.version / self.updates_per_epoch)
+        updates = len(self.staleness)
+        loss_sum, correct, samples = self.totals
+        rows = self.state.rows
+        row = {"epoch": epoch, "train_loss": loss_sum / samples,
+               "train_acc": 100.0 * correct / samples, "test_loss": test_loss,
+               "test_acc": test_acc, "lr": self.lr_at_start, "epoch_seconds": seconds,
+               "elapsed_seconds": (rows[-1]["elapsed_seconds"] if rows else 0.0) + seconds,
+               "images_per_s": samples / seconds, "updates": self.version,
+               "updates_per_s": updates / seconds,
+               "mean_staleness": sum(self.staleness) / updates,
+               "max_staleness": max(self.staleness), "server_busy": self.busy / seconds}
+        self.state.add(row)
+        self.proc.log(training.epoch_line(row, self.args.epochs) +
+                      f" | {row['updates_per_s']:.1f} updates/s | staleness mean "
+                      f"{row['mean_staleness']:.2f} max {row['max_staleness']}")
+        self.save()
+        self.folder.write(self.state.rows)  # metrics.csv, curve.png (and tb/)
+        self.new_epoch()
+
+    def save(self):
+        self.total = sum(self.v.values())  # (re-summed: no drift from the running sum)
+        self.state.extra = {"updates": self.version,
+                            "momentum": [self.v[w].cpu() for w in self.workers]}
+        self.checkpoint.save(self.state)
 
     def saved(self):
         return (f"it saved the model after {self.version} updates (epoch "
-                f"{self.version // self.updates_per_epoch} complete) to {self.trainer.path}; "
+                f"{self.version // self.updates_per_epoch} complete) to {self.checkpoint.path}; "
                 "run the same command to resume")
 
     def finish(self, finished, failure):
@@ -258,13 +331,13 @@ class Server:
                 if not isinstance(failure, PeerLost):  # a reply to the lost worker may fail
                     raise
         for worker, sent in sorted(finished.items()):
-            self.run.log(f"worker {worker}: {sent} gradients sent, {self.applied[worker]} applied")
+            self.proc.log(f"worker {worker}: {sent} gradients sent, {self.applied[worker]} "
+                          "applied")
         if self.staleness and failure is None:
             self.end_epoch()  # updates after the last full epoch-equivalent
         if isinstance(failure, (Interrupted, PeerLost)):
-            # a checkpoint to resume from: the completed epochs' rows, the model as it is now
-            self.trainer.save(self.version // self.updates_per_epoch,
-                              extra={"updates": self.version})
+            self.average_statistics()
+            self.save()  # the completed epochs' rows, the model as it is now
         if not isinstance(failure, PeerLost):  # after a timeout gloo has closed every pair
             status = torch.tensor([0.0 if failure is None else failure.exit_code])
             for worker in finished:
@@ -272,34 +345,13 @@ class Server:
         if failure is not None:
             raise failure
 
-    def end_epoch(self):
-        trainer, run = self.trainer, self.run
-        seconds = time.perf_counter() - self.started
-        test_loss, test_acc = engine.evaluate(trainer.model, trainer.test_loader, run)
-        epoch = math.ceil(self.version / self.updates_per_epoch)
-        updates = len(self.staleness)
-        row = trainer.row(epoch, self.totals, test_loss, test_acc, self.lr, seconds, seconds)
-        row.update(updates=self.version, updates_per_s=updates / seconds,
-                   mean_staleness=sum(self.staleness) / updates,
-                   max_staleness=max(self.staleness), server_busy=self.busy / seconds)
-        trainer.rows.append(row)
-        trainer.log_scalars(row)
-        run.log(engine.epoch_line(row, trainer.args.epochs) +
-                f" | {row['updates_per_s']:.1f} updates/s | staleness mean "
-                f"{row['mean_staleness']:.2f} max {row['max_staleness']}")
-        trainer.save(epoch, extra={"updates": self.version})
-        self._new_epoch()
 
-
-# ----------------------------------------------------------------------------- main
+# ------------------------------------------------------------------------------------- main
 
 def parse_args(argv=None):
-    parser = cli.make_parser(__doc__, SCRIPT, epochs=40, batch_size=128, lr=0.05)
-    cli.add_workload_args(parser, dataset="cifar100", arch="hw4")
-    distributed.add_distributed_args(parser)
+    parser = flags.make_parser(__doc__, SCRIPT, RECIPE, dataset="cifar100", arch="hw4")
+    flags.add_distributed_flags(parser)
     g = parser.add_argument_group("async SGD")
-    g.add_argument("--staleness-lr", action="store_true",
-                   help="divide the learning rate of a stale gradient by its staleness")
     g.add_argument("--straggler-delay", type=float, default=0.0, metavar="SECONDS",
                    help="make worker 1 sleep this long after each step (shows staleness)")
     parser.set_defaults(backend="gloo")
@@ -308,50 +360,64 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    launch = distributed.detect_launch()
-    if launch.world_size < 2:
+    launch = detect_launch()
+    n_workers = launch.world_size - 1
+    if n_workers < 1:
         raise UserError("async SGD needs at least 2 processes (rank 0 is the parameter server, "
                         "the others are workers); start it with e.g. mpirun -np 3")
     if args.backend not in ("gloo", "mpi"):
         raise UserError(f"--backend {args.backend}: the parameter server receives from any "
                         "source, which only gloo and mpi offer; use --backend gloo")
-    run = cli.setup_run(args, SCRIPT, launch.rank, launch.world_size, launch.local_rank)
-    comm = distributed.init_distributed(args, run.device, launch, stop=run.stop,
-                                        backend=distributed.resolve_backend(args.backend, run.device))
-    n_workers = comm.world_size - 1
-    train_set, test_set = data.load_datasets(args.dataset, args)
-    # Workers shard the training set among themselves; the server alone evaluates.
-    if comm.rank == 0:
-        train_loader, test_loader = None, data.test_loader(test_set, args, run)
-    else:
-        train_loader, test_loader = data.train_loader(
-            train_set, args, run, rank=comm.rank - 1, world_size=n_workers), None
-    per_worker = math.ceil(len(train_set) / n_workers)  # DistributedSampler's shard size
-    updates_per_epoch = math.ceil(per_worker / args.batch_size) * n_workers
-
-    model = build_model(args.arch, len(train_set.classes), args.dropout)
-    # The server never trains: a contiguous copy halves its work per update (BENCHMARKS.md).
-    model = engine.prepare_model(model, run) if comm.rank else model.to(run.device)
-    trainer = engine.Trainer(model, None, test_loader, args, run, arch=args.arch,
-                             target=TARGET if args.dataset == "cifar100" else None,
-                             comm=comm, steps_per_epoch=updates_per_epoch)
+    if args.batch_size < n_workers:
+        raise UserError(f"--batch-size {args.batch_size} is smaller than the {n_workers} "
+                        f"workers; use at least {n_workers} (it is the global batch)")
+    per_worker_batch = args.batch_size // n_workers
+    proc = process.start(args, SCRIPT, launch.rank, launch.world_size, launch.local_rank)
+    folder = outputs.RunFolder(args, proc, TARGET if args.dataset == "cifar100" else None)
+    comm = distributed.start(args, proc, launch)
     try:
-        trainer.resume()
+        train_set, test_set = data.load_datasets(args.dataset, args)
+        # Workers shard the training set among themselves; the server alone evaluates.
+        if comm.rank == 0:
+            test_loader = loader.test_loader(test_set, args, proc)
+        else:
+            train_loader = loader.train_loader(train_set, args, proc, batch_size=per_worker_batch,
+                                               rank=comm.rank - 1, world_size=n_workers)
+        per_worker = math.ceil(len(train_set) / n_workers)  # DistributedSampler's shard size
+        updates_per_epoch = math.ceil(per_worker / per_worker_batch) * n_workers
+
+        model = build_model(args.arch, len(train_set.classes), args.dropout)
+        # The server never trains: a contiguous copy halves its work per update (BENCHMARKS.md).
+        model = proc.prepare(model) if comm.rank else model.to(proc.device)
+        checkpoint = Checkpoint(args, proc, model, None, None, comm)
+        state = checkpoint.resume()
         comm.broadcast_parameters(model)  # every worker starts from the server's weights
         if comm.rank == 0:
-            engine.describe(run, args, model, train_set, test_set,
-                            f"1 server + {n_workers} workers x batch {args.batch_size}, "
-                            f"{updates_per_epoch} updates per epoch")
-            trainer.write_config(updates_per_epoch=updates_per_epoch)
-            Server(trainer, n_workers, updates_per_epoch).serve()
-            if trainer.rows:
-                run.log(f"final test accuracy: {trainer.rows[-1]['test_acc']:.2f}%")
+            if args.evaluate:
+                return training.evaluate_checkpoint(model, test_loader, proc, checkpoint, state)
+            training.describe(proc, args, model, train_set, test_set,
+                              f"1 server + {n_workers} workers x batch {per_worker_batch} = "
+                              f"global batch {per_worker_batch * n_workers}, {updates_per_epoch} "
+                              "updates per epoch")
+            folder.write_config(resumed_after_epoch=state.epoch,
+                                updates_per_epoch=updates_per_epoch)
+            Server(model, n_workers, args, proc, test_loader, state, updates_per_epoch,
+                   checkpoint, folder).serve()
+            proc.log(f"final test accuracy: {state.rows[-1]['test_acc']:.2f}%")
             comm.finish()
-        elif work(model, train_loader, args, run, trainer.start_epoch):
-            comm.finish()
+        elif not args.evaluate:
+            try:
+                work(model, train_loader, args, proc, state.epoch)
+            except RuntimeError as exc:
+                if not distributed.is_peer_failure(exc):
+                    raise
+                raise PeerLost(f"worker {proc.rank} lost the parameter server "
+                               f"({distributed.failure_line(exc)})") from None
+            if released(proc):
+                comm.finish()
     finally:
         comm.close()
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    process.execute(main)

@@ -25,8 +25,8 @@ import statistics
 import sys
 
 from common.checkpoint import atomic_write
-from common.cli import HelpFormatter, Parser, run_main
-from common.errors import UserError
+from common.flags import HelpFormatter, Parser
+from common.process import UserError, execute
 
 # The homework's test-accuracy targets, %: a copy of each main's TARGET constant and of the data
 # set it applies to (each main passes target=TARGET only when args.dataset is that one).
@@ -328,4 +328,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_main(main)
+    execute(main)

@@ -3,7 +3,7 @@
     python sync_sgd_cifar100.py                         # a world of 1
     mpirun -np 4 python sync_sgd_cifar100.py            # Open MPI / MPICH / Intel MPI
     aprun -n 2 -N 1 python sync_sgd_cifar100.py         # Cray, under PBS
-    torchrun --nproc-per-node 2 sync_sgd_cifar100.py    # or a Kubeflow PyTorchJob
+    torchrun --nproc-per-node 2 sync_sgd_cifar100.py    # or a Kubeflow PyTorchJob / TrainJob
 
 1. Synchronous initialisation: rank 0 broadcasts its weights to every rank.
 2. Each epoch, each rank takes its shard of a new permutation (strong scaling: --batch-size
@@ -15,27 +15,44 @@ import functools
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from common import cli, data, distributed, engine
-from common.errors import UserError
+from common import data, distributed, flags, loader, outputs, process, training
+from common.checkpoint import Checkpoint
+from common.launch import detect_launch
 from common.model import build_model
 
 SCRIPT = "sync_sgd_cifar100"
 TARGET = 60.0  # the homework's test-accuracy target, % (on cifar100)
 
+# The recipe: resnet_cifar100.py's, with --batch-size the global batch (128 = 4 ranks x 32):
+# 40 epochs; SGD with Nesterov momentum 0.9 and weight decay 5e-4 on conv and linear weights;
+# the learning rate warms up linearly to 0.1 over the first epoch, then follows a cosine to 0,
+# stepped every batch; random crop and flip; label smoothing 0.1 on the training loss only.
+RECIPE = dict(epochs=40, batch_size=128, lr=0.1, momentum=0.9, weight_decay=5e-4,
+              warmup_epochs=1.0, label_smoothing=0.1)
+
+
+def average_gradients(model, world_size):
+    """The slides' gradient averaging: after backward, one blocking all_reduce per parameter,
+    then a division by the number of ranks (86 round trips for this network)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+
 
 class BucketedAllReduce:
-    """Averages gradients over ranks with explicit all_reduce calls, overlapped with backward.
+    """The same average, overlapped with backward: the fast path (as fast as DDP, BENCHMARKS.md).
 
-    The slides' template calls one blocking all_reduce per parameter after backward (86 calls
-    for this network, each a round trip).  Here parameters are grouped, in reverse order of
-    registration (about the order backward produces their gradients), into flat buckets of
-    about `bucket_mb` megabytes.  A hook copies each gradient into its bucket as soon as
-    autograd has accumulated it; a full bucket is divided by the world size and all-reduced
-    asynchronously while backward goes on.  Buckets are launched strictly in order, so every
-    rank issues the same sequence of collectives.  `wait()` completes the reductions and points
-    each `.grad` at its averaged slice.  Each slice is viewed with its parameter's strides (as
-    DDP does), so channels_last weights get channels_last gradients and no copy transposes.
+    Parameters are grouped, in reverse order of registration (about the order backward produces
+    their gradients), into flat buckets of about `bucket_mb` megabytes.  A hook copies each
+    gradient into its bucket as soon as autograd has accumulated it; a full bucket is divided by
+    the world size and all-reduced asynchronously while backward goes on.  Buckets are launched
+    strictly in order, so every rank issues the same sequence of collectives.  `wait()`
+    completes the reductions and points each `.grad` at its averaged slice.  Each slice is
+    viewed with its parameter's strides (as DDP does), so channels_last weights get
+    channels_last gradients and no copy transposes.
     """
 
     def __init__(self, model, world_size, bucket_mb=25.0):
@@ -94,58 +111,98 @@ class BucketedAllReduce:
 
 
 def parse_args(argv=None):
-    parser = cli.make_parser(__doc__, SCRIPT, epochs=40, batch_size=128, lr=0.1)
-    cli.add_workload_args(parser, dataset="cifar100", arch="hw4")
-    distributed.add_distributed_args(parser)
+    parser = flags.make_parser(__doc__, SCRIPT, RECIPE, dataset="cifar100", arch="hw4")
+    flags.add_distributed_flags(parser)
     g = parser.add_argument_group("sync SGD")
-    g.add_argument("--ddp", action="store_true",
-                   help="average with torch's DistributedDataParallel instead (comparison)")
-    g.add_argument("--sync-bn", action="store_true",
-                   help="BatchNorm statistics over the global batch (SyncBatchNorm)")
+    g.add_argument("--exchange", choices=["buckets", "per-parameter", "ddp"], default="buckets",
+                   help="how gradients are averaged: BucketedAllReduce (overlapped with "
+                        "backward), the slides' average_gradients, or torch's "
+                        "DistributedDataParallel (for comparison)")
     g.add_argument("--bucket-mb", type=float, default=25.0,
                    help="size of all_reduce buckets (DDP's default size; see BENCHMARKS.md)")
+    g.add_argument("--sync-bn", action="store_true",
+                   help="BatchNorm statistics over the global batch (SyncBatchNorm)")
     return parser.parse_args(argv)
+
+
+def train_one_epoch(model, meter, criterion, optimizer, scheduler, proc, average):
+    """One pass over this rank's shard: forward, backward, the average over ranks, SGD step."""
+    model.train()
+    for images, labels in meter:  # this rank's batches, from where a stopped run left off
+        with proc.autocast():
+            output = model(images)
+            loss = criterion(output, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # (with buckets, the all_reduce of each starts here, during backward)
+        average()  # every rank now holds the mean gradient of the global batch ...
+        optimizer.step()  # ... and takes the same step: the replicas stay identical
+        scheduler.step()
+        meter.update(loss, output, labels)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    launch = distributed.detect_launch()
+    launch = detect_launch()
     world = launch.world_size
     if args.batch_size < world:
-        raise UserError(f"--batch-size {args.batch_size} is smaller than the {world} ranks; "
-                        f"use at least {world} (strong scaling: it is the global batch)")
+        raise process.UserError(f"--batch-size {args.batch_size} is smaller than the {world} "
+                                f"ranks; use at least {world} (strong scaling: it is the "
+                                "global batch)")
     per_rank = args.batch_size // world
-    run = cli.setup_run(args, SCRIPT, launch.rank, world, launch.local_rank)
-    comm = distributed.init_distributed(args, run.device, launch, stop=run.stop)
-
-    train_set, test_set = data.load_datasets(args.dataset, args)
-    train_loader, test_loader = data.make_loaders(
-        train_set, test_set, args, run, batch_size=per_rank, rank=comm.rank, world_size=world)
-
-    model = build_model(args.arch, len(train_set.classes), args.dropout)
-    model = engine.prepare_model(model, run)
-    comm.broadcast_parameters(model)
-    if args.sync_bn and world > 1:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    grad_sync = None
-    if args.ddp and world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
-    elif world > 1:
-        grad_sync = BucketedAllReduce(model, world, args.bucket_mb)
-    exchange = "DDP" if args.ddp else f"bucketed all_reduce ({args.bucket_mb:g} MB buckets)"
-    engine.describe(run, args, model, train_set, test_set,
-                    f"{world} ranks x batch {per_rank} = global batch {per_rank * world}, "
-                    f"gradients averaged by {exchange}")
-    trainer = engine.Trainer(model, train_loader, test_loader, args, run, arch=args.arch,
-                             target=TARGET if args.dataset == "cifar100" else None,
-                             grad_sync=grad_sync, comm=comm)
+    proc = process.start(args, SCRIPT, launch.rank, world, launch.local_rank)
+    folder = outputs.RunFolder(args, proc, TARGET if args.dataset == "cifar100" else None)
+    comm = distributed.start(args, proc, launch)
     try:
-        trainer.evaluate_checkpoint() if args.evaluate else trainer.fit()
+        train_set, test_set = data.load_datasets(args.dataset, args)
+        train_loader, test_loader = loader.make_loaders(  # this rank's shards
+            train_set, test_set, args, proc, batch_size=per_rank, rank=comm.rank, world_size=world)
+
+        model = proc.prepare(build_model(args.arch, len(train_set.classes), args.dropout))
+        comm.broadcast_parameters(model)  # 1. every rank starts from rank 0's weights
+        if args.sync_bn and world > 1:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        average = lambda: None  # noqa: E731  (a world of 1, or DDP: it averages in backward)
+        if world > 1 and args.exchange == "ddp":
+            model = nn.parallel.DistributedDataParallel(
+                model, device_ids=[proc.device.index] if proc.device.type == "cuda" else None)
+        elif world > 1 and args.exchange == "per-parameter":
+            average = functools.partial(average_gradients, model, world)
+        elif world > 1:
+            average = BucketedAllReduce(model, world, args.bucket_mb).wait
+        criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+        optimizer = torch.optim.SGD(training.param_groups(model, args.weight_decay), lr=args.lr,
+                                    momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
+        scheduler = training.warmup_cosine(optimizer, args, len(train_loader))
+
+        checkpoint = Checkpoint(args, proc, model, optimizer, scheduler, comm)
+        state = checkpoint.resume()  # every rank gets rank 0's checkpoint, if there is one
+        if args.evaluate:
+            return training.evaluate_checkpoint(model, test_loader, proc, checkpoint, state, comm)
+        training.describe(proc, args, model, train_set, test_set,
+                          f"{world} ranks x batch {per_rank} = global batch {per_rank * world}, "
+                          f"gradients averaged by {args.exchange}")
+        folder.write_config(resumed_after_epoch=state.epoch)
+
+        kept = lambda: f"the last good checkpoint (epoch {state.epoch}) is kept in {args.out}"  # noqa: E731
+        with distributed.lost_peer(proc, kept):  # a dead or silent rank: one line, exit 200
+            for epoch in range(state.epoch, args.epochs):
+                meter = training.Meter(train_loader, epoch, args, proc, state, scheduler, comm)
+                train_one_epoch(model, meter, criterion, optimizer, scheduler, proc, average)
+                if meter.stopped:  # SIGTERM / SIGINT on any rank: all stop at the same step
+                    checkpoint.save(state, partial=meter.partial())
+                    raise process.Interrupted(meter.stop_message(checkpoint.path),
+                                              proc.stop.signum)
+                comm.average_buffers(model)  # BatchNorm statistics: one model, the one saved
+                test_loss, test_acc = training.evaluate(model, test_loader, proc, comm)
+                state.add(meter.row(test_loss, test_acc, state.rows))
+                proc.log(training.epoch_line(state.rows[-1], args.epochs))
+                checkpoint.save(state)  # resumable from here
+                folder.write(state.rows)  # metrics.csv, curve.png (and tb/): as the checkpoint holds
+        proc.log(f"final test accuracy: {state.rows[-1]['test_acc']:.2f}%")
         comm.finish()
     finally:
         comm.close()
 
 
 if __name__ == "__main__":
-    cli.run_main(main)
+    process.execute(main)

@@ -7,8 +7,8 @@ Time per training step (forward + backward + gradient averaging + optimizer step
                        while backward goes on (bucket sizes 1, 4 and 25 MB; the script's
                        default is marked);
 * `DDP`             -- torch's DistributedDataParallel (its default 25 MB buckets);
-* `per parameter`   -- the slides' template: after backward, one blocking all_reduce per
-                       parameter, then `p.grad /= world`;
+* `per parameter`   -- the slides' template (sync_sgd_cifar100.average_gradients): after
+                       backward, one blocking all_reduce per parameter, then `p.grad /= world`;
 * `compute only`    -- no exchange at all (what a step would cost with free communication);
 
 plus the pure communication time of a step (one all_reduce of the whole flat gradient, and
@@ -28,7 +28,8 @@ import torch
 from util import (SMOKE, default_amp, log, median, out_of_time, precision_name,
                   spread, sync, table)
 
-from common.distributed import free_port, import_before_init
+from common.distributed import import_before_init
+from common.launch import free_port
 
 BATCH = 128
 COMPUTE = "compute only (no exchange)"
@@ -59,9 +60,9 @@ def _measure(rank, world, device, cfg, run):
     import argparse
     import copy
     import torch.distributed as dist
-    from common import engine
     from common.model import HW4ResNet
-    from sync_sgd_cifar100 import BucketedAllReduce
+    from common.training import param_groups
+    from sync_sgd_cifar100 import BucketedAllReduce, average_gradients
 
     per_rank = run["batch"] // world
     torch.manual_seed(0)
@@ -82,7 +83,8 @@ def _measure(rank, world, device, cfg, run):
         if kind == "ddp":
             net = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None)
-        opt = engine.make_optimizer(model, args)
+        opt = torch.optim.SGD(param_groups(model, args.weight_decay), lr=args.lr,
+                              momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
         inp = x.contiguous(memory_format=torch.channels_last) if amp else x
 
         def step(n):
@@ -94,9 +96,7 @@ def _measure(rank, world, device, cfg, run):
                 if sync_obj is not None:
                     sync_obj.wait()
                 elif kind == "per_param":  # the slides' template
-                    for p in model.parameters():
-                        dist.all_reduce(p.grad)
-                        p.grad /= world
+                    average_gradients(model, world)
                 opt.step()
         return step
 

@@ -95,16 +95,7 @@ def option_runs(device, dry, quick, flops):
         row = {"option": name, "batch": batch}
         s = train = None
         try:
-            s = Setup(base, device, amp=bf16, channels_last=cl)
-            if foreach:
-                from common import engine
-                from training import trainer_args
-                groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
-                          for g in s.trainer.optimizer.param_groups]
-                s.trainer.optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9,
-                                                      nesterov=True, foreach=True)
-                s.trainer.scheduler = engine.make_scheduler(s.trainer.optimizer,
-                                                            trainer_args(), 100_000)
+            s = Setup(base, device, amp=bf16, channels_last=cl, foreach=foreach)
             if mode:
                 s.model = torch.compile(s.model, mode=mode)
             x = torch.randn(batch, 3, 32, 32, device=device)
@@ -135,7 +126,7 @@ def run(quick):
     from training import flops_per_image
     from common.model import HW4ResNet
     device = torch.device("cpu") if dry else torch.device("cuda")
-    if device.type == "cuda":  # what cli.setup_run sets for the scripts
+    if device.type == "cuda":  # what process.start sets for the scripts
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -39,11 +39,13 @@ def mpirun():
 
 
 def run_one(workers, batch, updates_per_worker, timeout):
-    """One run of async_sgd_cifar100.py; returns its last metrics row and the wall time."""
+    """One run of async_sgd_cifar100.py, each worker computing on `batch` samples (the script's
+    --batch-size is the global batch: workers x batch); returns its last metrics row and the
+    wall time."""
     cmd = [mpirun(), "-np", str(workers + 1), "--oversubscribe", "--bind-to", "none",
            "-x", "OMP_NUM_THREADS=1", "-x", "MKL_NUM_THREADS=1", "-x", "PYTHONPATH",
            sys.executable, os.path.join(REPO_ROOT, "async_sgd_cifar100.py"),
-           "--dummy", "--device", "cpu", "--epochs", "2", "--batch-size", str(batch),
+           "--dummy", "--device", "cpu", "--epochs", "2", "--batch-size", str(workers * batch),
            "--train-limit", str(workers * batch * updates_per_worker), "--test-limit", "128",
            "--warmup-epochs", "0", "--fresh"]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)

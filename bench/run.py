@@ -10,6 +10,9 @@
              all_reduce per parameter, 2 and 4 ranks (gloo; nccl with >= 2 GPUs)
 3. ps        async SGD parameter server: updates/s and busy fraction, 1..8 workers
 4. gpu       CUDA only: resnet_cifar100.py epoch time, fraction of bf16 peak, options
+5. convergence  on the yardstick (data that is hard to learn): test accuracy per epoch of one
+             process, sync SGD on 2 and 4 ranks, async SGD with 1, 2, 4 and 8 workers
+             (not part of the default run: about 2 hours on 2 cores; --quick: 25 minutes)
 
 BENCHMARKS.md explains each and holds the results.  Timings are only as good as the machine's
 quiet: the load average and how busy the CPUs were before each benchmark are recorded.
@@ -27,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import util  # noqa: E402  (sets sys.path for the repository)
 from util import Skip, log  # noqa: E402
 
-BENCHMARKS = ("step", "exchange", "ps", "gpu")
+BENCHMARKS = ("step", "exchange", "ps", "gpu", "convergence")
+DEFAULT = ("step", "exchange", "ps", "gpu")  # convergence takes hours: ask for it by name
 
 
 def parse_args(argv=None):
@@ -35,7 +39,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--quick", action="store_true", help="fewer repetitions, steps and workers")
-    p.add_argument("--only", default=",".join(BENCHMARKS),
+    p.add_argument("--only", default=",".join(DEFAULT),
                    help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     p.add_argument("--json", metavar="PATH",
                    help="where to write the results (default bench/results/<date>.json)")
@@ -67,6 +71,9 @@ def run_benchmark(name, args):
     if name == "gpu":
         import gpu
         return gpu.run(args.quick)
+    if name == "convergence":
+        import convergence
+        return convergence.run(args.quick)
     raise ValueError(name)
 
 

@@ -25,6 +25,7 @@ import argparse
 import copy
 import json
 import math
+import re
 import os
 import sys
 import time
@@ -36,7 +37,8 @@ sys.path.insert(0, util.TESTS_DIR)  # the yardstick lives with the tests
 
 import torch  # noqa: E402
 
-from common import data, engine  # noqa: E402
+from common import data, loader, training  # noqa: E402
+from common.process import Process  # noqa: E402
 from common.model import build_model  # noqa: E402
 
 
@@ -73,7 +75,11 @@ class Rule:
     def reply(self, worker):
         """The parameters worker `worker` computes its next gradient on."""
         if self.style == "dana":
-            out = [p - self.lr() * self.mu * t for p, t in zip(self.params, self.total)]
+            # --ahead-gradients: also the other workers' next gradients, predicted from the
+            # momentum ((1 - mu) v is a gradient's running mean)
+            ahead = self.mu + ((1 - self.mu) * self.tau / (self.tau + 1)
+                               if self.args.ahead_gradients else 0.0)
+            out = [p - self.lr() * ahead * t for p, t in zip(self.params, self.total)]
         else:
             out = [p.detach().clone() for p in self.params]
         if self.correction != "none":
@@ -82,6 +88,11 @@ class Rule:
 
     @torch.no_grad()
     def apply(self, worker, grads):
+        if self.style == "sync":  # sync SGD over the N workers: average a round, then step
+            self.pending = grads if worker == 0 else [a + g for a, g in zip(self.pending, grads)]
+            if worker < self.tau:
+                return
+            grads = [g / (self.tau + 1) for g in self.pending]
         lr = self.lr()
         if self.lr_rule == "stale" and self.tau > 0:
             lr = lr / self.tau
@@ -104,7 +115,7 @@ class Rule:
                 vi.mul_(self.mu).add_(g)
                 tot.add_(vi)
                 p.sub_(vi, alpha=lr)
-            else:  # torch.optim.SGD(nesterov=True)
+            else:  # torch.optim.SGD(nesterov=True) ("global" and "sync")
                 vi.mul_(self.mu).add_(g)
                 p.sub_(g.add(vi, alpha=self.mu), alpha=lr)
         if before is not None:
@@ -118,6 +129,7 @@ class Rule:
 
 
 RULES = {  # name: (momentum, correction, lr)
+    "sync": ("sync", "none", "fixed"),
     "plain": ("global", "none", "fixed"), "dana": ("dana", "none", "fixed"),
     "dcasgd": ("global", "dc", "fixed"), "danadc": ("dana", "dc", "fixed"),
     "ga": ("global", "ga", "fixed"), "danaga": ("dana", "ga", "fixed"),
@@ -137,20 +149,24 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
     """Train with `n_workers` round-robin workers under `rule`; test accuracy per epoch."""
     torch.manual_seed(seed)
     device = torch.device("cpu")
-    run = argparse.Namespace(device=device, amp=args.amp)
+    proc = Process("staleness", "", device, args.amp)
     base = build_model("hw4", len(train.classes), 0.1)
     server = base.to(device)
     workers = [copy.deepcopy(base).to(memory_format=torch.channels_last) if args.amp
                else copy.deepcopy(base) for _ in range(n_workers)]
-    mean, std = data.normalization("cifar100")
-    loaders = [data.DeviceLoader(train, args.batch_size, device, train=True, mean=mean, std=std,
+    mean, std = loader.normalization("cifar100")
+    per_worker = args.batch_size // n_workers if args.global_batch else args.batch_size
+    loaders = [loader.DeviceLoader(train, per_worker, device, train=True, mean=mean, std=std,
                                  rank=i, world_size=n_workers, seed=seed, channels_last=args.amp)
                for i in range(n_workers)]
-    test_loader = data.DeviceLoader(test, 500, device, train=False, mean=mean, std=std)
+    test_loader = loader.DeviceLoader(test, 500, device, train=False, mean=mean, std=std)
     targs = trainer_args(args, rule)
-    optimizer = engine.make_optimizer(server, targs)
-    steps = len(loaders[0]) * n_workers
-    scheduler = engine.make_scheduler(optimizer, targs, steps)
+    if args.global_batch and rule != "sync":  # N updates of batch B/N make one of batch B
+        targs.lr /= n_workers
+    optimizer = torch.optim.SGD(training.param_groups(server, targs.weight_decay), lr=targs.lr,
+                                momentum=targs.momentum)  # holds the LR the schedule sets
+    steps = len(loaders[0]) * (1 if rule == "sync" else n_workers)
+    scheduler = training.warmup_cosine(optimizer, targs, steps)
     momentum, correction, lr_rule = RULES[rule]
     rule_args = argparse.Namespace(**vars(args))
     rule_args.momentum = targs.momentum
@@ -162,9 +178,9 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
     for epoch in range(args.epochs):
         start = time.perf_counter()
         iters = []
-        for w, loader in enumerate(loaders):
-            loader.set_epoch(epoch)
-            iters.append(iter(loader))
+        for shard in loaders:
+            shard.set_epoch(epoch)
+            iters.append(iter(shard))
         torch.manual_seed(seed * 1000 + epoch)
         loss_sum, seen = 0.0, 0
         for _ in range(len(loaders[0])):
@@ -172,20 +188,23 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
                 images, labels = next(iters[w])
                 model = workers[w]
                 model.train()
-                with engine.autocast(run):
+                with proc.autocast():
                     loss = criterion(model(images), labels)
                 model.zero_grad(set_to_none=True)
                 loss.backward()
                 grads = [p.grad.float().contiguous() for p in model.parameters()]
                 server_rule.apply(w, grads)
-                load(model, server_rule.reply(w))
+                if rule != "sync":
+                    load(model, server_rule.reply(w))
                 loss_sum += loss.item() * len(labels)
                 seen += len(labels)
+            if rule == "sync":  # every rank continues from the round's one update
+                for w in range(n_workers):
+                    load(workers[w], server_rule.reply(w))
         # evaluate the server's parameters with the latest worker's BatchNorm statistics
         for b_server, b_worker in zip(server.buffers(), workers[-1].buffers()):
             b_server.copy_(b_worker)
-        test_loss, acc = engine.evaluate(server, test_loader, argparse.Namespace(
-            device=device, amp=False))
+        test_loss, acc = training.evaluate(server, test_loader, Process("", "", device, False))
         curve.append(round(acc, 2))
         losses.append(round(loss_sum / seen, 4))
         log(f"  {rule:10s} N={n_workers} seed {seed} epoch {epoch + 1}: train loss "
@@ -228,17 +247,22 @@ def main(argv=None):
     p.add_argument("--ahead", type=float, default=None,
                    help="lookahead: updates to extrapolate (default: workers - 1)")
     p.add_argument("--dc-lambda", type=float, default=2.0)
+    p.add_argument("--ahead-gradients", action="store_true",
+                   help="dana: look ahead over the other workers' expected gradients too")
     p.add_argument("--ga-form", choices=["max", "plus"], default="max",
                    help="gap-aware divisor: max(1, gap) or 1 + gap (gap in typical steps)")
     p.add_argument("--ga-beta", type=float, default=0.99,
                    help="gap-aware: decay of the running mean step size")
+    p.add_argument("--global-batch", action="store_true",
+                   help="--batch-size is the global batch: each worker computes on batch / N "
+                        "samples and each update's LR is --lr / N (sync: N ranks of batch / N)")
     p.add_argument("--train", type=int, default=5000)
     p.add_argument("--test", type=int, default=2000)
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", help="append each result as a JSON line here")
     args = p.parse_args(argv)
     # The rules step the LR schedule themselves (the optimizer only holds the LR).
-    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+    warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
     train, test = yardstick(args.train, args.test, 0)
     for seed in args.seeds:
@@ -247,7 +271,8 @@ def main(argv=None):
                 res = simulate(train, test, rule, n, seed, args)
                 res.update(lr=args.lr, batch=args.batch_size, epochs=args.epochs,
                            ahead=args.ahead, dc_lambda=args.dc_lambda, ga_form=args.ga_form,
-                           ga_beta=args.ga_beta)
+                           ga_beta=args.ga_beta, global_batch=args.global_batch,
+                           ahead_gradients=args.ahead_gradients)
                 print(json.dumps(res), flush=True)
                 if args.json:
                     with open(args.json, "a") as f:

@@ -1,16 +1,19 @@
 """Benchmark 1: the training step, and the data path alone.
 
-* `loop`      -- our full training loop: `engine.train_one_epoch` over a `DeviceLoader`
-                 (batched on-device random crop + flip + normalise) with the model, the loss,
-                 backward and `Trainer.step` (optimizer + LR schedule);
-* `in place`  -- forward + backward + the same step on one batch already on the device;
+* `loop`      -- our full training loop: `resnet_cifar100.train_one_epoch` over a
+                 `DeviceLoader` (batched on-device random crop + flip + normalise), through
+                 the `training.Meter` it iterates (the epoch's bookkeeping), with the model,
+                 the loss, backward, the optimizer step and the LR schedule's step, built as
+                 resnet_cifar100.main builds them;
+* `in place`  -- the same forward, backward, optimizer step and LR schedule step on one batch
+                 already on the device;
 * `reference` -- what public solutions do: torchvision's `CIFAR100` with per-sample PIL
                  transforms (RandomCrop(32, padding=4), RandomHorizontalFlip, ToTensor,
                  Normalize) through a `DataLoader` (shuffle, `num_workers` workers), feeding the
                  same step.
 
 All three train the same HW4ResNet with batch 128 on the same device, in the scripts' default
-precision there (`common.cli.default_amp`: bf16 autocast + channels_last on CUDA and on CPUs
+precision there (`common.process.default_amp`: bf16 autocast + channels_last on CUDA and on CPUs
 with native bf16, else fp32), and are timed side by side: every repetition runs each of them
 for the same number of steps, in an order rotated from one repetition to the next, and the
 tables give medians over repetitions.  Every repetition of `loop` and `reference` is a fresh
@@ -43,7 +46,8 @@ PRECISIONS = (("in place, fp32", False, False), ("in place, fp32 + channels_last
 
 
 class Take:
-    """The first `n` batches of a loader, with the len() train_one_epoch expects."""
+    """The first `n` batches of a loader, with the len(), set_epoch() and batches() that
+    training.Meter uses."""
 
     def __init__(self, loader, n):
         self.loader, self.n = loader, n
@@ -51,8 +55,11 @@ class Take:
     def __len__(self):
         return self.n
 
-    def __iter__(self):
-        return itertools.islice(iter(self.loader), self.n)
+    def set_epoch(self, epoch):
+        self.loader.set_epoch(epoch)
+
+    def batches(self, start=0):
+        return itertools.islice(self.loader.batches(start), self.n - start)
 
 
 def make_data(n_train, folder):
@@ -93,30 +100,41 @@ def reference_loader(dataset, workers, device):
                                        pin_memory=torch.device(device).type == "cuda")
 
 
-def trainer_args(**overrides):
-    """The scripts' defaults (resnet_cifar100.py), as the Trainer reads them."""
-    args = dict(lr=0.1, momentum=0.9, weight_decay=5e-4, epochs=1, warmup_epochs=1.0,
-                label_smoothing=0.1, seed=0, fresh=True, batch_size=BATCH)
+def recipe_args(**overrides):
+    """resnet_cifar100.py's recipe, one epoch long (of STEPS_PER_EPOCH steps: the LR schedule
+    stays in its warm-up throughout)."""
+    import resnet_cifar100
+    args = dict(resnet_cifar100.RECIPE, epochs=1, seed=0, fresh=True, batch_size=BATCH)
     args.update(overrides)
     return argparse.Namespace(**args)
 
 
-class Setup:
-    """A model, its Trainer (optimizer, scheduler, criterion) and the Run it trains under."""
+STEPS_PER_EPOCH = 100_000
 
-    def __init__(self, base_model, device, amp, channels_last=None, out=None):
-        from common import cli, engine
+
+class Setup:
+    """A model with its criterion, optimizer and LR schedule, built as resnet_cifar100.main
+    builds them, and the Process it trains under.  `foreach`: torch's foreach SGD kernel
+    instead of the scripts' fused one."""
+
+    def __init__(self, base_model, device, amp, channels_last=None, out=None, foreach=False):
+        from common.process import Process
+        from common.training import param_groups, warmup_cosine
         device = torch.device(device)
         channels_last = amp if channels_last is None else channels_last
-        # rank 1: train_one_epoch draws no progress bar (is_main is False); nothing else reads it
-        self.run = cli.Run("bench", out or tempfile.gettempdir(), device, amp, rank=1)
+        # rank 1: the Meter draws no progress bar (is_main is False); nothing else reads it
+        self.proc = Process("bench", out or tempfile.gettempdir(), device, amp, rank=1)
         model = copy.deepcopy(base_model).to(device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model, self.channels_last = model, channels_last
-        self.trainer = engine.Trainer(model, None, None, trainer_args(), self.run, arch="bench",
-                                      steps_per_epoch=100_000)
-        self.criterion, self.step = self.trainer.criterion, self.trainer.step
+        self.args = args = recipe_args()
+        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+        kernel = dict(foreach=True) if foreach else dict(fused=True)
+        self.optimizer = torch.optim.SGD(param_groups(model, args.weight_decay), lr=args.lr,
+                                         momentum=args.momentum, nesterov=args.momentum > 0,
+                                         **kernel)
+        self.scheduler = warmup_cosine(self.optimizer, args, STEPS_PER_EPOCH)
 
     def prepare(self, x):
         if self.channels_last:
@@ -124,13 +142,14 @@ class Setup:
         return x
 
     def train_step(self, x, y):
-        from common import engine
-        with engine.autocast(self.run):
+        """One step of resnet_cifar100.train_one_epoch, without the Meter."""
+        with self.proc.autocast():
             out = self.model(x)
             loss = self.criterion(out, y)
-        self.model.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        self.step()
+        self.optimizer.step()
+        self.scheduler.step()
         return loss
 
 
@@ -156,14 +175,18 @@ def timed(fn, device):
 
 
 def loop_variant(setup, loader, steps):
-    """Our full loop: engine.train_one_epoch over `steps` batches of a fresh epoch."""
-    from common import engine
+    """Our full loop: resnet_cifar100.train_one_epoch over `steps` batches of a fresh epoch
+    (the Meter sets the epoch: a new permutation)."""
+    from resnet_cifar100 import train_one_epoch
+    from common.checkpoint import State
+    from common.training import Meter
     epoch = itertools.count()
 
     def run(n=steps):
-        loader.set_epoch(next(epoch))
-        engine.train_one_epoch(setup.model, Take(loader, n), setup.criterion, setup.step,
-                               setup.run)
+        meter = Meter(Take(loader, n), next(epoch), setup.args, setup.proc, State(),
+                      setup.scheduler)
+        train_one_epoch(setup.model, meter, setup.criterion, setup.optimizer, setup.scheduler,
+                        setup.proc)
     return run
 
 
@@ -177,7 +200,7 @@ def in_place_variant(setup, x, y, steps):
 
 
 def reference_variant(setup, dataset, workers, steps):
-    device = setup.run.device
+    device = setup.proc.device
 
     def run(n=steps):
         loader = reference_loader(dataset, workers, device)
@@ -204,6 +227,7 @@ def interleave(variants, reps, device, images_per_run):
 def bench_step(device, quick, workers, data_dir):
     """The table of benchmark 1 on `device`: images/s of each variant, and the ratios."""
     from common import data
+    from common.loader import DeviceLoader
     from common.model import HW4ResNet
     device = torch.device(device)
     cpu = device.type == "cpu"
@@ -226,8 +250,8 @@ def bench_step(device, quick, workers, data_dir):
     flops = flops_per_image(base)
 
     main = Setup(base, device, amp)
-    loader = data.DeviceLoader(train_set, BATCH, device, train=True, mean=spec.mean,
-                               std=spec.std, seed=0, channels_last=amp)
+    loader = DeviceLoader(train_set, BATCH, device, train=True, mean=spec.mean, std=spec.std,
+                          seed=0, channels_last=amp)
     loader.set_epoch(0)
     x, y = next(iter(loader))
     x, y = x.clone(), y.clone()
@@ -285,6 +309,7 @@ def bench_step(device, quick, workers, data_dir):
 def bench_data_path(device, quick, workers, data_dir, train_set=None):
     """Batches/s of the loaders alone: ours on `device` vs torchvision's DataLoader."""
     from common import data
+    from common.loader import DeviceLoader
     device = torch.device(device)
     spec = data.SPECS["cifar100"]
     if train_set is None:
@@ -294,8 +319,8 @@ def bench_data_path(device, quick, workers, data_dir, train_set=None):
     reps = 3 if quick else 5
     if SMOKE:
         n_ours, n_ref, reps = 4, 4, 1
-    loader = data.DeviceLoader(train_set, BATCH, device, train=True, mean=spec.mean,
-                               std=spec.std, seed=0, channels_last=default_amp(device))
+    loader = DeviceLoader(train_set, BATCH, device, train=True, mean=spec.mean, std=spec.std,
+                          seed=0, channels_last=default_amp(device))
 
     def ours(n):
         loader.set_epoch(ours.epoch)
@@ -351,7 +376,7 @@ def bench_data_path(device, quick, workers, data_dir, train_set=None):
 def run(quick, devices=None, workers=2):
     """Benchmark 1 on CPU and, where present, CUDA."""
     devices = devices or (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-    if "cuda" in devices:  # what cli.setup_run sets for the scripts
+    if "cuda" in devices:  # what process.start sets for the scripts
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

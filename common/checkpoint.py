@@ -12,11 +12,12 @@ import random
 import shlex
 import shutil
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .errors import UserError
+from .process import UserError
 
 FORMAT = 2  # 1: numpy's RNG state kept as numpy's own tuple (an ndarray inside)
 KEYS = ("script", "arch", "epoch", "model", "optimizer", "scheduler", "rows", "args", "rng",
@@ -116,6 +117,77 @@ def load(path, *, script, arch):
     return state
 
 
+@dataclass
+class State:
+    """What a run has done: the epochs completed, their metrics.csv rows, the progress inside
+    an epoch a signal interrupted, and what a script keeps of its own (`extra`)."""
+    epoch: int = 0
+    rows: list = field(default_factory=list)
+    partial: dict = None
+    extra: dict = field(default_factory=dict)
+
+    def take_partial(self):
+        """The interrupted epoch's progress, once: the epochs after it start from their first
+        step."""
+        partial, self.partial = self.partial, None
+        return partial
+
+    def add(self, row):
+        self.rows.append(row)
+        self.epoch = row["epoch"]
+
+
+class Checkpoint:
+    """--out/checkpoint.pt: the model, optimizer and LR schedule of a run, with its `State`.
+
+    Only the main rank reads and writes it; `resume` hands what it read to every rank."""
+
+    def __init__(self, args, proc, model, optimizer, scheduler, comm=None):
+        self.path = os.path.join(args.out, "checkpoint.pt")
+        self.args, self.proc, self.comm = args, proc, comm
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+
+    def exists(self):
+        """Will `resume` read a checkpoint?  (Not with --fresh.)"""
+        return os.path.exists(self.path) and not self.args.fresh
+
+    def resume(self):
+        """The State of the checkpoint in --out, loaded into the model, optimizer and schedule;
+        an empty State where there is none (or with --fresh)."""
+        state, error = None, None
+        if self.proc.is_main and self.exists():
+            try:
+                state = load(self.path, script=self.proc.script, arch=self.args.arch)
+            except UserError as exc:  # tell the other ranks too, rather than leave them waiting
+                error = str(exc)
+        if self.comm is not None:
+            state, error = self.comm.broadcast_object((state, error))
+        if error:
+            raise UserError(error)
+        if state is None:
+            return State()
+        unwrap(self.model).load_state_dict(state["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        extra = state.get("extra") or {}
+        resumed = State(state["epoch"], state["rows"], extra.pop("partial", None), extra)
+        where = f"epoch {resumed.epoch}" + (f" and step {resumed.partial['step']} of epoch "
+                                            f"{resumed.epoch + 1}" if resumed.partial else "")
+        self.proc.log(f"resumed from {self.path} after {where}")
+        return resumed
+
+    def save(self, state, partial=None):
+        """Write the state (and an interrupted epoch's `partial` progress) on the main rank."""
+        if not self.proc.is_main:
+            return
+        extra = dict(state.extra, **({"partial": partial} if partial else {}))
+        save(self.path, script=self.proc.script, arch=self.args.arch, model=self.model,
+             optimizer=self.optimizer, scheduler=self.scheduler, epoch=state.epoch,
+             rows=state.rows, args=vars(self.args), extra=extra)
+
+
 def unwrap(model):
     """The plain module inside DDP / torch.compile wrappers, for state_dicts."""
     model = getattr(model, "module", model)
@@ -165,7 +237,7 @@ def convert(path):
 
 
 def main(argv=None):
-    from .cli import Parser
+    from .flags import Parser
     parser = Parser(prog="python -m common.checkpoint",
                     description="Tools for checkpoint.pt files of the HW4 scripts.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -177,5 +249,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from .cli import run_main
-    run_main(main)
+    from .process import execute
+    execute(main)

@@ -1,16 +1,59 @@
-"""The files of a run: config.json, metrics.csv and curve.png (checkpoint.pt: checkpoint.py)."""
+"""The run folder (--out): claimed by one run at a time, and its files config.json, metrics.csv,
+curve.png and, with --tensorboard, tb/ (checkpoint.pt: common/checkpoint.py)."""
+import atexit
 import csv
+import datetime
+import errno
+import fcntl
 import json
 import os
 import platform
+import socket
 import sys
 
 import torch
 
 from .checkpoint import atomic_write
+from .process import UserError
 
 COLUMNS = ["epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr",
            "epoch_seconds", "elapsed_seconds", "images_per_s"]
+
+
+class RunFolder:
+    """--out of a training run; only the main rank writes.  Claimed at once (`claim`), so a
+    second run into the same folder stops before it trains."""
+
+    def __init__(self, args, proc, target=None):
+        self.args, self.proc, self.target = args, proc, target
+        self.tensorboard = None  # --tensorboard's writer, made when the first row is written
+        if proc.is_main and not args.evaluate:
+            claim(args.out)
+
+    def write_config(self, **extra):
+        if self.proc.is_main:
+            write_config(self.args.out, self.args, self.proc.device, script=self.proc.script,
+                         arch=self.args.arch, world_size=self.proc.world_size,
+                         precision=self.proc.precision, **extra)
+
+    def write(self, rows):
+        """The epochs so far: metrics.csv and curve.png rewritten whole, the last row to tb/."""
+        if not self.proc.is_main:
+            return
+        if self.args.tensorboard:
+            if self.tensorboard is None:  # a new writer (re)logs every epoch the checkpoint has
+                self.tensorboard = TensorBoardLog(self.args.out, first_epoch=rows[0]["epoch"])
+                for row in rows[:-1]:
+                    self.tensorboard.add_row(row)
+            self.tensorboard.add_row(rows[-1])
+        write_metrics(self.args.out, rows)
+        plot_curve(self.args.out, rows, self.proc.script, self.target)
+
+
+def claim(out):
+    """Create --out, prove it writable and lock it, before any training time is spent."""
+    prepare_out_dir(out)
+    lock_out_dir(out)
 
 
 def environment(device):
@@ -121,8 +164,9 @@ class TensorBoardLog:
     """--tensorboard: each epoch's scalars in <out>/tb, at step = epoch number.
 
     A resumed run therefore continues at the next epoch.  `purge_step` is the first epoch this
-    process writes: TensorBoard drops the points at or after it that an earlier, crashed
-    process wrote (an epoch logged before its checkpoint was), so no epoch shows twice.
+    process writes: TensorBoard drops the points at or after it that an earlier process wrote,
+    and RunFolder writes them again from the checkpoint's rows, so tb/ shows every epoch the
+    checkpoint holds, once.
     """
 
     def __init__(self, out, first_epoch):
@@ -134,3 +178,75 @@ class TensorBoardLog:
             if row.get(column) is not None:
                 self.writer.add_scalar(tag, row[column], row["epoch"])
         self.writer.flush()  # on disk now: a kill loses nothing already logged
+
+
+def prepare_out_dir(out):
+    """Create --out and prove it is writable before any training time is spent."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write-test.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write there ({exc.strerror}); "
+                        "choose a writable folder") from None
+
+
+LOCK_FILE = ".lock"
+_held_locks = {}  # real path of a held lock file -> its open descriptor (held until exit)
+
+
+def lock_out_dir(out):
+    """One run per --out: hold an advisory lock (flock) on --out/.lock while this process lives.
+
+    The kernel drops a flock when its process ends, however it ends, so the file a killed run
+    leaves behind never blocks the next.  The holder writes its host, pid and start time into
+    the file, so that a second run can say who holds it; a clean exit removes the file."""
+    path = os.path.realpath(os.path.join(out, LOCK_FILE))
+    if path in _held_locks:
+        return
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise UserError(f"--out {out} is in use by another run ({holder}); wait for it to "
+                                "end or stop it, or choose another --out") from None
+            print(f"note: --out {out}: cannot lock {LOCK_FILE} ({exc.strerror}); make sure no "
+                  "other run trains into it", file=sys.stderr, flush=True)
+            return
+        try:  # the previous holder may have removed the file between our open and our lock
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    since = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                              "since": since}).encode() + b"\n", 0)
+    _held_locks[path] = fd
+    atexit.register(_release_lock, path)
+
+
+def _read_holder(fd):
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info['pid']} on host {info['host']}, since {info['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "holder unknown: it is starting"
+
+
+def _release_lock(path):
+    fd = _held_locks.pop(path, None)
+    if fd is not None:
+        try:
+            os.remove(path)  # while still holding it: nobody can lock the old file meanwhile
+        except OSError:
+            pass
+        os.close(fd)

@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import cli, data
-from common.errors import UserError
+import resnet_cifar100
+from common import data, flags
+from common.loader import DeviceLoader
+from common.process import UserError
 from tests.datagen import (CIFAR100_FINE_LABEL_NAMES, cifar_label_from_image, make_cifar100,
                            make_tinyimagenet, snapshot_tree, tiny_label_from_image)
 
@@ -19,7 +21,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse(*argv):
-    return cli.make_parser("test", "test").parse_args(list(argv))
+    return flags.make_parser("test", "test", resnet_cifar100.RECIPE, dataset="cifar100",
+                             arch="hw4").parse_args(list(argv))
 
 
 # ------------------------------------------------------------------------------ CIFAR-100
@@ -276,8 +279,8 @@ def test_train_sampler_shards_cover_each_sample_once_per_epoch():
     for epoch in range(3):
         ids = []
         for rank in range(2):
-            loader = data.DeviceLoader(ds, 3, "cpu", train=True, rank=rank, world_size=2,
-                                       seed=7, **RAW)
+            loader = DeviceLoader(ds, 3, "cpu", train=True, rank=rank, world_size=2,
+                                  seed=7, **RAW)
             loader.set_epoch(epoch)
             assert len(loader) == 4  # ceil(10 / 3)
             _, y = _collect(loader)
@@ -287,7 +290,7 @@ def test_train_sampler_shards_cover_each_sample_once_per_epoch():
         orders.append(ids[0] + ids[1])
     assert orders[0] != orders[1] and orders[1] != orders[2]
     # the same epoch gives the same order again (resumable)
-    loader = data.DeviceLoader(ds, 3, "cpu", train=True, rank=0, world_size=2, seed=7, **RAW)
+    loader = DeviceLoader(ds, 3, "cpu", train=True, rank=0, world_size=2, seed=7, **RAW)
     assert _collect(loader, 1)[1].tolist() == orders[1][:10]
 
 
@@ -295,7 +298,7 @@ def test_test_loader_covers_each_sample_once_without_padding():
     ds = _id_set(11)
     ids = []
     for rank in range(2):
-        loader = data.DeviceLoader(ds, 4, "cpu", train=False, rank=rank, world_size=2, **RAW)
+        loader = DeviceLoader(ds, 4, "cpu", train=False, rank=rank, world_size=2, **RAW)
         x, y = _collect(loader)
         ids += y.tolist()
         # images belong to their ids (no shuffling mix-up)
@@ -325,7 +328,7 @@ def _which_crop(aug, original, pad):
 def test_augmentation_is_random_zero_padded_crop_and_flip():
     ds = _id_set(48, size=16, seed=1)
     pad = 16 // 8
-    loader = data.DeviceLoader(ds, 16, "cpu", train=True, seed=3, **RAW)
+    loader = DeviceLoader(ds, 16, "cpu", train=True, seed=3, **RAW)
     assert loader.pad == pad
     crops = {}
     for epoch in range(2):
@@ -352,7 +355,7 @@ def test_augmentation_is_random_zero_padded_crop_and_flip():
 def test_test_batches_not_augmented_and_normalised():
     ds = _id_set(10, size=8, seed=2, low=0)
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
-    loader = data.DeviceLoader(ds, 4, "cpu", train=False, mean=mean, std=std)
+    loader = DeviceLoader(ds, 4, "cpu", train=False, mean=mean, std=std)
     x, y = _collect(loader)
     assert y.tolist() == list(range(10))
     m = torch.tensor(mean).view(1, 3, 1, 1)
@@ -360,7 +363,7 @@ def test_test_batches_not_augmented_and_normalised():
     expected = (ds.images.float() / 255 - m) / s
     torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
     # the training loader normalises with the same statistics (crop/flip aside)
-    train = data.DeviceLoader(ds, 10, "cpu", train=True, mean=mean, std=std, pad=0)
+    train = DeviceLoader(ds, 10, "cpu", train=True, mean=mean, std=std, pad=0)
     xt, yt = _collect(train, 0)
     for img, i in zip(xt, yt.tolist()):
         e = expected[i]
@@ -372,13 +375,13 @@ def test_image_size_resizes():
     # constant colour per image: resizing keeps the value everywhere
     ds.images[:] = ds.images[:, :, :1, :1]
     for train in (False, True):
-        loader = data.DeviceLoader(ds, 4, "cpu", train=train, image_size=20, pad=0, **RAW)
+        loader = DeviceLoader(ds, 4, "cpu", train=train, image_size=20, pad=0, **RAW)
         x, y = _collect(loader, 0)
         assert x.shape == (4, 3, 20, 20)
         torch.testing.assert_close(x, ds.images[y].float()[:, :, :1, :1].expand(4, 3, 20, 20))
     # a real picture: the resized batch is a smooth upsampling (mean nearly kept)
     ds = _id_set(2, size=8, seed=4)
-    x, _ = _collect(data.DeviceLoader(ds, 2, "cpu", train=False, image_size=32, **RAW))
+    x, _ = _collect(DeviceLoader(ds, 2, "cpu", train=False, image_size=32, **RAW))
     assert x.shape == (2, 3, 32, 32)
     assert abs(x.mean().item() - ds.images.float().mean().item()) < 3.0
 
@@ -450,8 +453,8 @@ def test_limits_take_a_balanced_subset_tiny_decoding_only_those(tiny_dir, monkey
 def test_limits_take_a_balanced_subset_imagefolder(imagefolder_dir):
     """3 classes, 4 training and 2 validation images each."""
     base = ("--data-dir", str(imagefolder_dir), "--dataset", "imagefolder")
-    args = cli.make_parser("test", "test")
-    cli.add_workload_args(args, dataset="imagefolder", arch="hw4")
+    args = flags.make_parser("test", "test", resnet_cifar100.RECIPE, dataset="imagefolder",
+                             arch="hw4")
     train, test = data.load_datasets("imagefolder", args.parse_args(
         [*base, "--train-limit", "6", "--test-limit", "3"]))
     assert sorted(train.targets) == [0, 0, 1, 1, 2, 2] and sorted(test.targets) == [0, 1, 2]

@@ -13,9 +13,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from common import data
-from common.distributed import (Comm, Launch, check_torchrun_master, detect_launch, free_port,
-                                import_before_init)
-from common.errors import UserError
+from common.distributed import Comm, import_before_init
+from common.launch import Launch, check_torchrun_master, detect_launch, free_port
+from common.loader import DeviceLoader
+from common.process import UserError
 from helpers import ROOT, child_env
 
 MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
@@ -83,15 +84,14 @@ def train_steps(model, loader, epochs, step):
 
 
 def loader_for(global_batch, rank, world):
-    return data.DeviceLoader(make_set(), global_batch // world, "cpu", train=True, augment=False,
-                             mean=(0.5,) * 3, std=(0.25,) * 3, rank=rank, world_size=world,
-                             seed=7)
+    return DeviceLoader(make_set(), global_batch // world, "cpu", train=True, augment=False,
+                        mean=(0.5,) * 3, std=(0.25,) * 3, rank=rank, world_size=world, seed=7)
 
 
 def _sync_worker(rank, world, port, divide_by, result_path):
     from sync_sgd_cifar100 import BucketedAllReduce
     torch.set_num_threads(1)
-    import_before_init()  # as init_distributed does (see there)
+    import_before_init()  # as distributed.start does (see there)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     torch.manual_seed(rank)  # different seeds: the broadcast must make them equal
@@ -127,7 +127,7 @@ def test_sync_sgd_on_two_ranks_equals_one_process_with_the_global_batch(tmp_path
 
 def _broadcast_worker(rank, world, port, result_path):
     torch.set_num_threads(1)
-    import_before_init()  # as init_distributed does (see there)
+    import_before_init()  # as distributed.start does (see there)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     from common.model import HW4ResNet
@@ -203,9 +203,12 @@ def test_no_launcher_is_a_world_of_one():
 TEARDOWN_PROBE = r"""
 import argparse, os, sys, torch
 sys.path.insert(0, sys.argv[1])
-from common.distributed import detect_launch, init_distributed
-comm = init_distributed(argparse.Namespace(backend="gloo", timeout=60), torch.device("cpu"),
-                        detect_launch())
+from common import distributed
+from common.launch import detect_launch
+from common.process import Process
+launch = detect_launch()
+proc = Process("probe", ".", torch.device("cpu"), False, launch.rank, launch.world_size)
+comm = distributed.start(argparse.Namespace(backend="gloo", timeout=60), proc, launch)
 torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)  # imports torch._dynamo
 comm.finish()
 comm.close()
@@ -274,8 +277,8 @@ def test_mpijob_launcher_without_master_addr(cifar_dir, tmp_path):
     """An MPIJob launcher runs mpirun: OMPI_COMM_WORLD_* set, no MASTER_ADDR anywhere."""
     out = tmp_path / "mpijob"
     log = run([MPIRUN, "-np", "2", sys.executable, "sync_sgd_cifar100.py",
-               *tiny_args(cifar_dir, out, "--epochs", "1", "--ddp")])
-    assert "rank 0 of world 2" in log and "DDP" in log
+               *tiny_args(cifar_dir, out, "--epochs", "1", "--exchange", "ddp")])
+    assert "rank 0 of world 2" in log and "gradients averaged by ddp" in log
     assert_outputs(out, 1)
 
 
@@ -291,13 +294,14 @@ def parse_async_log(log):
 def test_async_sgd_one_server_two_workers(cifar_dir, tmp_path):
     out = tmp_path / "async"
     log = run([MPIRUN, "-np", "3", sys.executable, "async_sgd_cifar100.py",
-               *tiny_args(cifar_dir, out, "--batch-size", "8")])
+               *tiny_args(cifar_dir, out)])
     sent_applied = parse_async_log(log)
     assert set(sent_applied) == {1, 2}
     assert all(sent == applied for sent, applied in sent_applied.values())
     rows = metrics(out)
     assert_outputs(out, 2)
-    # 64 samples over 2 workers, batch 8: 4 updates per worker per epoch, 8 per epoch
+    # 64 samples over 2 workers, global batch 16 (8 per worker): 4 updates per worker per
+    # epoch, 8 per epoch
     assert [int(r["updates"]) for r in rows] == [8, 16]
     assert sum(s for s, _ in sent_applied.values()) == 16
     for r in rows:
@@ -309,8 +313,7 @@ def test_async_sgd_one_server_two_workers(cifar_dir, tmp_path):
 def test_async_sgd_workers_of_different_speeds_stop_cleanly(cifar_dir, tmp_path):
     out = tmp_path / "straggler"
     log = run([MPIRUN, "-np", "3", sys.executable, "async_sgd_cifar100.py",
-               *tiny_args(cifar_dir, out, "--batch-size", "8", "--epochs", "1",
-                          "--straggler-delay", "0.3")])
+               *tiny_args(cifar_dir, out, "--epochs", "1", "--straggler-delay", "0.3")])
     sent_applied = parse_async_log(log)
     assert all(sent == applied == 4 for sent, applied in sent_applied.values())
     rows = metrics(out)

@@ -116,8 +116,8 @@ def pytorchjob(hosts, args, port, placement=(0, 1)):
 
 
 PROBE = """
-from common.distributed import choose_gloo_interface, reachable_address
-from common.errors import UserError
+from common.launch import choose_gloo_interface, reachable_address
+from common.process import UserError
 print(reachable_address(), choose_gloo_interface("{peer}"), choose_gloo_interface("127.0.0.1"))
 try:
     choose_gloo_interface("10.232.0.1")  # no route to it from this namespace
@@ -170,12 +170,12 @@ def test_torchrun_on_two_nodes_with_c10d_rendezvous(hosts, cifar_dir, tmp_path):
 
 def test_async_sgd_server_on_one_host_workers_on_both(hosts, cifar_dir, tmp_path):
     out = tmp_path / "async"
-    args = script_args("async_sgd_cifar100.py", cifar_dir, out, "--batch-size", "8")
+    args = script_args("async_sgd_cifar100.py", cifar_dir, out)
     results = finish(pytorchjob(hosts, args, 29530, placement=(0, 0, 1)))
     for code, stdout, stderr in results:
         assert code == 0, stdout + stderr
     log = results[0][1]
-    # 64 samples over 2 workers, batch 8: 4 gradients each, all applied
+    # 64 samples over 2 workers, global batch 16 (8 per worker): 4 gradients each, all applied
     assert "worker 1: 4 gradients sent, 4 applied" in log
     assert "worker 2: 4 gradients sent, 4 applied" in log
     assert epochs(out) == [1]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common import checkpoint
-from common.distributed import free_port
+from common.launch import free_port
 from datagen import make_cifar100, make_tinyimagenet
 from helpers import ROOT, child_env
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 import report
 from common import outputs
-from common.errors import UserError
+from common.process import UserError
 from helpers import ROOT, child_env
 
 MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep

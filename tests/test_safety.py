@@ -242,16 +242,16 @@ def test_real_format_cifar_loads_under_numpy_1_and_2_names(tmp_path):
 def test_crafted_weights_in_the_hub_cache_are_refused_and_run_nothing(cifar_dir, tmp_path):
     """Without --weights, the pretrained script reads torchvision's cached file from
     $TORCH_HOME/hub/checkpoints (where the README says to copy it): a crafted one runs nothing."""
-    from common import weights
+    from common.model import weights_file
     marker = tmp_path / "marker"
     cache = tmp_path / "torch" / "hub" / "checkpoints"
     cache.mkdir(parents=True)
-    with open(cache / weights.weights_file("resnet18"), "wb") as f:
+    with open(cache / weights_file("resnet18"), "wb") as f:
         pickle.dump({"conv1.weight": RunsCode(marker)}, f)
     proc = subprocess.run(
         [sys.executable, "pretrained_cifar100.py", "--data-dir", str(cifar_dir), "--out",
          str(tmp_path / "out"), "--epochs", "1", "--image-size", "32", *SMALL],
         cwd=ROOT, env=child_env(TORCH_HOME=str(tmp_path / "torch")), capture_output=True,
         text=True, timeout=TIMEOUT)
-    one_error_line(proc, weights.weights_file("resnet18"), "refused")
+    one_error_line(proc, weights_file("resnet18"), "refused")
     assert not marker.exists()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from common import data
-from common.imagefolder import FolderLoader, read_imagefolder
+from common.data import read_imagefolder
+from common.loader import FolderLoader
 from common.model import build_model
 from datagen import tiny_label_from_image
 from helpers import ROOT, child_env

@@ -1,0 +1,148 @@
+"""Benchmark 5 (`convergence`): does async SGD learn as well as sync SGD, on data that is hard
+to learn?
+
+Trains on the yardstick (tests/yardstick.py: 100 classes of shape x texture x colour under
+clutter and noise, written in the CIFAR-100 pickle layout) with the real scripts, as a user
+runs them:
+
+* one process          python resnet_cifar100.py
+* sync SGD             mpirun -np R python sync_sgd_cifar100.py            R = 2, 4
+* async SGD            mpirun -np W+1 python async_sgd_cifar100.py         W = 1, 2, 4, 8
+
+all with the same epochs, samples, global batch (--batch-size) and learning rate, over
+several seeds (--seed: initial weights, data order, augmentation, dropout; the data set is
+the same).  It prints the test accuracy per epoch (mean over seeds), the final accuracy's
+mean and spread, the async runs' mean and max staleness, and the gap of each async run to
+sync SGD with as many ranks as it has workers (W = 1: the one process; W = 8: the largest
+sync run).  Every process gets cores / processes threads; on 2 cores a full run takes about
+2 hours, --quick (one seed, a smaller yardstick) about 25 minutes.
+"""
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from util import REPO_ROOT, SMOKE, TESTS_DIR, log, out_of_time, table
+
+FULL = dict(n_train=6400, n_test=2000, epochs=6, batch=64, lr=0.05, seeds=(0, 1, 2),
+            sync=(2, 4), workers=(1, 2, 4, 8))
+QUICK = dict(n_train=3200, n_test=1000, epochs=4, batch=32, lr=0.05, seeds=(0,),
+             sync=(2, 4), workers=(2, 4, 8))
+SMOKE_SIZES = dict(n_train=256, n_test=128, epochs=1, batch=32, lr=0.05, seeds=(0,),
+                   sync=(2,), workers=(2,))
+
+
+def make_yardstick(root, n_train, n_test):
+    sys.path.insert(0, TESTS_DIR)
+    from yardstick import make_cifar100_yardstick
+    make_cifar100_yardstick(root, n_train, n_test, seed=0)
+    return root
+
+
+def command(kind, processes, data_dir, out, cfg, seed):
+    flags = ["--data-dir", data_dir, "--out", out, "--epochs", str(cfg["epochs"]),
+             "--batch-size", str(cfg["batch"]), "--lr", str(cfg["lr"]), "--seed", str(seed),
+             "--device", "cpu", "--fresh"]
+    if kind == "one process":
+        return [sys.executable, os.path.join(REPO_ROOT, "resnet_cifar100.py"), *flags]
+    from param_server import mpirun
+    script = "sync_sgd_cifar100.py" if kind == "sync" else "async_sgd_cifar100.py"
+    threads = str(max(1, (os.cpu_count() or 1) // processes))
+    return [mpirun(), "-np", str(processes), "--oversubscribe", "--bind-to", "none",
+            "-x", f"OMP_NUM_THREADS={threads}", "-x", "PYTHONPATH",
+            sys.executable, os.path.join(REPO_ROOT, script), *flags]
+
+
+def train(kind, processes, data_dir, cfg, seed):
+    """One run; its metrics.csv rows and wall time."""
+    with tempfile.TemporaryDirectory(prefix="bench-convergence-") as out:
+        env = dict(os.environ, PYTHONPATH=REPO_ROOT,
+                   OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // processes)))
+        if os.geteuid() == 0:  # Open MPI refuses root unless told
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        start = time.perf_counter()
+        proc = subprocess.run(command(kind, processes, data_dir, out, cfg, seed), cwd=REPO_ROOT,
+                              env=env, capture_output=True, text=True, timeout=4 * 3600)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"{kind} on {processes} processes, seed {seed}: exit "
+                               f"{proc.returncode}\n{(proc.stdout + proc.stderr)[-2000:]}")
+        with open(os.path.join(out, "metrics.csv")) as f:
+            rows = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    return rows, wall
+
+
+def runs(cfg):
+    """(name, kind, processes, reference name) of every configuration."""
+    out = [("one process", "one process", 1, None)]
+    out += [(f"sync, {r} ranks", "sync", r, None) for r in cfg["sync"]]
+    largest = f"sync, {max(cfg['sync'])} ranks"
+    for w in cfg["workers"]:
+        ref = "one process" if w == 1 else (f"sync, {w} ranks" if w in cfg["sync"] else largest)
+        out.append((f"async, {w} worker{'s' * (w > 1)}", "async", w + 1, ref))
+    return out
+
+
+def summary(results):
+    """Per configuration: mean per-epoch accuracy, final mean / min / max, staleness."""
+    out = {}
+    for name, per_seed in results.items():
+        finals = [rows[-1]["test_acc"] for rows in per_seed.values()]
+        epochs = len(next(iter(per_seed.values())))
+        out[name] = {
+            "final_mean": statistics.mean(finals), "final_min": min(finals),
+            "final_max": max(finals), "finals": finals,
+            "curve": [statistics.mean(rows[e]["test_acc"] for rows in per_seed.values())
+                      for e in range(epochs)],
+            "mean_staleness": statistics.mean(
+                r.get("mean_staleness", 0.0) for rows in per_seed.values() for r in rows),
+            "max_staleness": max(r.get("max_staleness", 0.0)
+                                 for rows in per_seed.values() for r in rows),
+            "train_loss_after_first": max(r["train_loss"] for rows in per_seed.values()
+                                          for r in rows[1:]) if epochs > 1 else None,
+        }
+    return out
+
+
+def run(quick):
+    cfg = SMOKE_SIZES if SMOKE else (QUICK if quick else FULL)
+    results, walls = {}, {}
+    with tempfile.TemporaryDirectory(prefix="bench-yardstick-") as data_dir:
+        make_yardstick(data_dir, cfg["n_train"], cfg["n_test"])
+        log(f"[5] yardstick: {cfg['n_train']} training / {cfg['n_test']} test images, 100 "
+            f"classes; {cfg['epochs']} epochs, global batch {cfg['batch']}, lr {cfg['lr']}, "
+            f"seeds {list(cfg['seeds'])}")
+        for seed in cfg["seeds"]:  # every configuration once per seed, in turn
+            for name, kind, processes, _ in runs(cfg):
+                if out_of_time(120):
+                    log(f"[5] {name}, seed {seed}: skipped (--budget)")
+                    continue
+                rows, wall = train(kind, processes, data_dir, cfg, seed)
+                results.setdefault(name, {})[seed] = rows
+                walls.setdefault(name, []).append(wall)
+                log(f"[5] {name}, seed {seed}: final test accuracy {rows[-1]['test_acc']:.2f}% "
+                    f"({wall:.0f} s)")
+    stats = summary(results)
+    header = ["run", *[f"epoch {e + 1}" for e in range(cfg["epochs"])], "final mean",
+              "min", "max", "gap to sync", "staleness mean", "max", "wall s"]
+    lines = []
+    for name, _, _, ref in runs(cfg):
+        if name not in stats:
+            continue
+        s = stats[name]
+        gap = s["final_mean"] - stats[ref]["final_mean"] if ref in stats else None
+        lines.append([name, *[round(a, 2) for a in s["curve"]], round(s["final_mean"], 2),
+                      round(s["final_min"], 2), round(s["final_max"], 2),
+                      None if gap is None else f"{gap:+.2f} ({ref})",
+                      round(s["mean_staleness"], 2) if ref else None,
+                      int(s["max_staleness"]) if ref else None,
+                      round(statistics.mean(walls[name]))])
+    log(table(f"Convergence on the yardstick: test accuracy (%) per epoch, mean over "
+              f"{len(cfg['seeds'])} seed(s)", header, lines))
+    return {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
+            "runs": {name: {"per_seed": {str(k): v for k, v in per_seed.items()}}
+                     for name, per_seed in results.items()},
+            "summary": stats}

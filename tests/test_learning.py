@@ -1,0 +1,87 @@
+"""Learning, measured on the yardstick (tests/yardstick.py): data a ResNet cannot learn in one
+step, so that a broken or worse update rule scores measurably worse.
+
+The marker-pixel data of tests/datagen.py stays where exact equality is the point; every test
+here that says "it learns" trains on the yardstick, written in the real CIFAR-100 layout, with
+the scripts as a user runs them.
+"""
+import csv
+import math
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, child_env
+from yardstick import make_cifar100_yardstick
+
+TIMEOUT = 600
+# A small yardstick and a short recipe (the scripts' defaults scaled to batch 32): a few
+# minutes on 2 cores for the whole file.
+N_TRAIN, N_TEST, CLASSES = 2400, 800, 20
+RECIPE = ["--epochs", "4", "--batch-size", "32", "--lr", "0.05", "--warmup-epochs", "1",
+          "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def yardstick(tmp_path_factory):
+    root = tmp_path_factory.mktemp("yardstick")
+    make_cifar100_yardstick(root, N_TRAIN, N_TEST, num_classes=CLASSES, seed=0)
+    return root
+
+
+def train(cmd, data_dir, out, *extra):
+    proc = subprocess.run([*cmd, "--data-dir", str(data_dir), "--out", str(out), *RECIPE,
+                           *extra], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    with open(out / "metrics.csv") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def mpirun(n, script):
+    return ["mpirun", "-np", str(n), sys.executable, script]
+
+
+def test_the_yardstick_is_learnable_but_not_at_once(yardstick, tmp_path):
+    """One process: the test accuracy climbs from near chance to well above it, and stays
+    well below 100% -- the room in which a worse update rule shows."""
+    rows = train([sys.executable, "resnet_cifar100.py"], yardstick, tmp_path / "out")
+    chance = 100.0 / CLASSES
+    accuracy = [r["test_acc"] for r in rows]
+    assert accuracy[-1] > 3 * chance, accuracy
+    assert accuracy[-1] < 85.0, accuracy
+    assert accuracy[0] < accuracy[-1] - 10.0, accuracy
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"] - 0.3, rows
+
+
+@pytest.fixture(scope="module")
+def sync_rows(yardstick, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sync") / "out"
+    return train(mpirun(2, "sync_sgd_cifar100.py"), yardstick, out)
+
+
+@pytest.fixture(scope="module")
+def async_rows(yardstick, tmp_path_factory):
+    out = tmp_path_factory.mktemp("async") / "out"
+    return train(mpirun(3, "async_sgd_cifar100.py"), yardstick, out)
+
+
+def test_async_sgd_with_two_workers_keeps_up_with_sync(sync_rows, async_rows):
+    """Async SGD with 2 workers (every gradient about 1 update stale) ends within a few points
+    of sync SGD on the same data, epochs and batch.  The server's old rule (apply each stale
+    gradient as it comes, with Nesterov momentum) ended near chance here."""
+    sync_acc, async_acc = sync_rows[-1]["test_acc"], async_rows[-1]["test_acc"]
+    assert async_acc >= sync_acc - MARGIN, (async_acc, sync_acc)
+    assert max(r["mean_staleness"] for r in async_rows) > 0.5, async_rows  # really async
+
+
+MARGIN = 6.0  # points: several times the run-to-run spread of this small yardstick
+
+
+def test_async_sgd_does_not_diverge_after_the_first_epoch(async_rows):
+    """The failure mode of the old rule: a training loss above ln(classes) -- worse than a
+    uniform guess -- long after the warm-up.  No epoch after the first may show it."""
+    uniform = math.log(100)  # the scripts build CIFAR-100's 100-way head
+    assert all(r["train_loss"] < uniform for r in async_rows[1:]), \
+        [r["train_loss"] for r in async_rows]
