@@ -7,19 +7,28 @@ N workers take turns (round robin), each computing its gradient on the parameter
 last sent *it*: every gradient is exactly N - 1 updates stale, as in the real parameter server
 with N workers of equal speed, but deterministic and without N processes on 2 cores.  Each
 worker keeps its own BatchNorm running statistics and the server evaluates with the latest
-worker's, as async_sgd_cifar100.py does.  The data, model, optimizer, schedule and evaluation
+worker's (async_sgd_cifar100.py averages the workers' latest).  The data, model, schedule and
+evaluation
 are the scripts' own (common/).  This is how the async update rule was chosen
 (BENCHMARKS.md, "Async SGD under staleness"); bench/convergence.py then checks the choice
 with the real script under mpirun.
 
 Rules (the server's treatment of a gradient computed on parameters `tau` updates old):
-  plain       apply it as it comes (SGD + Nesterov momentum, the slides' Algorithm 2)
-  lookahead   reply with the parameters extrapolated `tau` updates ahead along the momentum
-              (theta - tau * lr * v), so the gradient is computed about where it will land
+  plain       apply it as it comes (SGD + Nesterov momentum, one buffer: the slides' Algorithm 2)
+  lookahead   plain, but reply with the parameters extrapolated `tau` updates ahead along the
+              momentum (theta - tau * lr * v)
+  dana        one momentum buffer per worker, the reply looked ahead along all of them (DANA,
+              Hakimi et al. 2019; --spike adds spike compensation, --ahead-gradients a longer
+              lookahead)
   dcasgd      delay compensation (Zheng et al. 2017, DC-ASGD-a):
-              g + lambda * g * g * (theta_now - theta_sent) / sqrt(mean g^2)
-  stalelr     divide the learning rate by tau (Zhang et al. 2016)
+              g + lambda * g * g * (theta_now - theta_sent) / sqrt(mean g^2); danadc: with DANA
+  ga          gap-aware (Barkai et al. 2019): g divided by how far each parameter moved since
+              it was sent, in typical steps; danaga: with DANA
+  stalelr     the learning rate divided by tau (Zhang et al. 2016)
   nomomentum  momentum 0 and the learning rate x 1 / (1 - 0.9), the same step size
+  sync        sync SGD over the N workers: a round's gradients averaged, one update
+--global-batch makes --batch-size the global batch: each worker computes on batch / N and
+each update uses lr / N (async_sgd_cifar100.py's semantics).
 """
 import argparse
 import copy
@@ -80,6 +89,9 @@ class Rule:
             ahead = self.mu + ((1 - self.mu) * self.tau / (self.tau + 1)
                                if self.args.ahead_gradients else 0.0)
             out = [p - self.lr() * ahead * t for p, t in zip(self.params, self.total)]
+        elif self.style == "lookahead":  # tau updates ahead at the current velocity
+            v = self.v[0]
+            out = [p - self.tau * self.lr() * vi for p, vi in zip(self.params, v)]
         else:
             out = [p.detach().clone() for p in self.params]
         if self.correction != "none":
@@ -110,12 +122,19 @@ class Rule:
         for p, g, vi, tot, wd in zip(self.params, grads, v, self.total, self.decay):
             if wd:
                 g.add_(p, alpha=wd)
-            if self.style == "dana":
+            if self.style == "dana" and self.args.spike and self.tau > 0:
+                # spike compensation (delay of one of its own updates): what the late gradient
+                # missed is applied now, the rest enters the buffer scaled by mu
+                tot.sub_(vi)
+                vi.mul_(self.mu).add_(g, alpha=self.mu)
+                tot.add_(vi)
+                p.sub_(vi, alpha=lr).sub_(g, alpha=lr)
+            elif self.style == "dana":
                 tot.sub_(vi)
                 vi.mul_(self.mu).add_(g)
                 tot.add_(vi)
                 p.sub_(vi, alpha=lr)
-            else:  # torch.optim.SGD(nesterov=True) ("global" and "sync")
+            else:  # torch.optim.SGD(nesterov=True) ("global", "lookahead" and "sync")
                 vi.mul_(self.mu).add_(g)
                 p.sub_(g.add(vi, alpha=self.mu), alpha=lr)
         if before is not None:
@@ -129,7 +148,7 @@ class Rule:
 
 
 RULES = {  # name: (momentum, correction, lr)
-    "sync": ("sync", "none", "fixed"),
+    "sync": ("sync", "none", "fixed"), "lookahead": ("lookahead", "none", "fixed"),
     "plain": ("global", "none", "fixed"), "dana": ("dana", "none", "fixed"),
     "dcasgd": ("global", "dc", "fixed"), "danadc": ("dana", "dc", "fixed"),
     "ga": ("global", "ga", "fixed"), "danaga": ("dana", "ga", "fixed"),
@@ -247,6 +266,8 @@ def main(argv=None):
     p.add_argument("--ahead", type=float, default=None,
                    help="lookahead: updates to extrapolate (default: workers - 1)")
     p.add_argument("--dc-lambda", type=float, default=2.0)
+    p.add_argument("--spike", action="store_true",
+                   help="dana: spike compensation of a gradient one own-update late")
     p.add_argument("--ahead-gradients", action="store_true",
                    help="dana: look ahead over the other workers' expected gradients too")
     p.add_argument("--ga-form", choices=["max", "plus"], default="max",
@@ -272,7 +293,7 @@ def main(argv=None):
                 res.update(lr=args.lr, batch=args.batch_size, epochs=args.epochs,
                            ahead=args.ahead, dc_lambda=args.dc_lambda, ga_form=args.ga_form,
                            ga_beta=args.ga_beta, global_batch=args.global_batch,
-                           ahead_gradients=args.ahead_gradients)
+                           ahead_gradients=args.ahead_gradients, spike=args.spike)
                 print(json.dumps(res), flush=True)
                 if args.json:
                     with open(args.json, "a") as f:

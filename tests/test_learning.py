@@ -68,20 +68,28 @@ def async_rows(yardstick, tmp_path_factory):
 
 
 def test_async_sgd_with_two_workers_keeps_up_with_sync(sync_rows, async_rows):
-    """Async SGD with 2 workers (every gradient about 1 update stale) ends within a few points
-    of sync SGD on the same data, epochs and batch.  The server's old rule (apply each stale
-    gradient as it comes, with Nesterov momentum) ended near chance here."""
+    """Async SGD with 2 workers (every gradient about 1 update stale) ends close to sync SGD on
+    2 ranks: the same data, epochs, global batch and learning rate.  The server's old rule
+    (each stale gradient applied as it came, with one Nesterov momentum buffer) ended at chance
+    here, its training loss above ln(100)."""
     sync_acc, async_acc = sync_rows[-1]["test_acc"], async_rows[-1]["test_acc"]
-    assert async_acc >= sync_acc - MARGIN, (async_acc, sync_acc)
+    assert async_acc >= sync_acc - ACCURACY_MARGIN, (async_acc, sync_acc)
+    assert async_acc > 3 * 100.0 / CLASSES, async_acc
+    sync_loss, async_loss = sync_rows[-1]["train_loss"], async_rows[-1]["train_loss"]
+    assert async_loss <= sync_loss + LOSS_MARGIN, (async_loss, sync_loss)
     assert max(r["mean_staleness"] for r in async_rows) > 0.5, async_rows  # really async
 
 
-MARGIN = 6.0  # points: several times the run-to-run spread of this small yardstick
+# Margins several times the run-to-run spread of this small yardstick (seeds move the final
+# test accuracy by 2-3 points, the last epoch's training loss by about 0.1).
+ACCURACY_MARGIN, LOSS_MARGIN = 8.0, 0.3
 
 
-def test_async_sgd_does_not_diverge_after_the_first_epoch(async_rows):
-    """The failure mode of the old rule: a training loss above ln(classes) -- worse than a
-    uniform guess -- long after the warm-up.  No epoch after the first may show it."""
+def test_async_sgd_never_does_worse_than_a_uniform_guess(async_rows):
+    """The failure mode of the old rule: a training loss above ln(100) -- worse than a uniform
+    guess over the 100-way head -- in the warm-up epoch (6.05 here with the old rule; 8-10 on
+    real images), from which the network recovered only partly.  No epoch may show it, the
+    first included (a healthy run's first epoch averages 4.0-4.2 here)."""
     uniform = math.log(100)  # the scripts build CIFAR-100's 100-way head
-    assert all(r["train_loss"] < uniform for r in async_rows[1:]), \
+    assert all(r["train_loss"] < uniform for r in async_rows), \
         [r["train_loss"] for r in async_rows]
