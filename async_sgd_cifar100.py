@@ -389,7 +389,8 @@ def main(argv=None):
         model = build_model(args.arch, len(train_set.classes), args.dropout)
         # The server never trains: a contiguous copy halves its work per update (BENCHMARKS.md).
         model = proc.prepare(model) if comm.rank else model.to(proc.device)
-        checkpoint = Checkpoint(args, proc, model, None, None, comm)
+        # The server's optimizer state (its momentum buffers, the updates done) is its own.
+        checkpoint = Checkpoint(args, proc, model, optimizer=None, scheduler=None, comm=comm)
         state = checkpoint.resume()
         comm.broadcast_parameters(model)  # every worker starts from the server's weights
         if comm.rank == 0:

@@ -74,7 +74,10 @@ class Run:
         """Who computed: the processes and the batch each one saw."""
         world = self.config["world_size"]
         if self.is_async:
-            return f"1 server + {world - 1} workers, batch {self.batch} each"
+            workers = world - 1  # --batch-size is the global batch, split over the workers
+            per_worker = self.batch // workers
+            return (f"1 server + {workers} workers x {per_worker} = global batch "
+                    f"{per_worker * workers}")
         if world > 1:  # sync SGD: --batch-size is the global batch, split over the ranks
             per_rank = self.batch // world
             return f"{world} ranks x {per_rank} = global batch {per_rank * world}"

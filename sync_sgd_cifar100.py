@@ -110,6 +110,10 @@ class BucketedAllReduce:
         self._reset()
 
 
+def no_average():
+    """A world of 1 has nothing to average; DDP averaged during backward."""
+
+
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, SCRIPT, RECIPE, dataset="cifar100", arch="hw4")
     flags.add_distributed_flags(parser)
@@ -161,7 +165,7 @@ def main(argv=None):
         comm.broadcast_parameters(model)  # 1. every rank starts from rank 0's weights
         if args.sync_bn and world > 1:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        average = lambda: None  # noqa: E731  (a world of 1, or DDP: it averages in backward)
+        average = no_average
         if world > 1 and args.exchange == "ddp":
             model = nn.parallel.DistributedDataParallel(
                 model, device_ids=[proc.device.index] if proc.device.type == "cuda" else None)
@@ -183,8 +187,7 @@ def main(argv=None):
                           f"gradients averaged by {args.exchange}")
         folder.write_config(resumed_after_epoch=state.epoch)
 
-        kept = lambda: f"the last good checkpoint (epoch {state.epoch}) is kept in {args.out}"  # noqa: E731
-        with distributed.lost_peer(proc, kept):  # a dead or silent rank: one line, exit 200
+        with distributed.lost_peer(proc, state):  # a dead or silent rank: one line, exit 200
             for epoch in range(state.epoch, args.epochs):
                 meter = training.Meter(train_loader, epoch, args, proc, state, scheduler, comm)
                 train_one_epoch(model, meter, criterion, optimizer, scheduler, proc, average)

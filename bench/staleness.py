@@ -33,7 +33,6 @@ each update uses lr / N (async_sgd_cifar100.py's semantics).
 import argparse
 import copy
 import json
-import math
 import re
 import os
 import sys

@@ -136,16 +136,17 @@ def start(args, proc, launch, backend=None):
 
 
 @contextmanager
-def lost_peer(proc, kept):
+def lost_peer(proc, state):
     """Turn a collective that failed because another rank died or went silent for --timeout
-    into one line and a retryable exit (PeerLost); `kept` says which checkpoint is kept."""
+    into one line and a retryable exit (PeerLost), naming the checkpoint kept (`state`)."""
     try:
         yield
     except RuntimeError as exc:
         if proc.world_size == 1 or not is_peer_failure(exc):
             raise
         raise PeerLost(f"rank {proc.rank} lost contact with another rank ({failure_line(exc)}); "
-                       f"{kept()}; restart the job to resume") from None
+                       f"the last good checkpoint (epoch {state.epoch}) is kept in {proc.out}; "
+                       "restart the job to resume") from None
 
 
 def start_process_group(backend, launch, timeout, stop=None):

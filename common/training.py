@@ -52,8 +52,9 @@ class Meter:
     """The bookkeeping of one training pass over this rank's shard, around the main's loop.
 
     Iterating it starts the epoch -- a new shuffle (`set_epoch`), crops, flips and dropout masks
-    derived from (seed, epoch, rank) -- and yields its batches from `partial["step"]` on, so an
-    epoch stopped at step k and resumed is the epoch an uninterrupted run would have had.
+    derived from (seed, epoch, rank) -- and yields its batches from the step a stopped epoch
+    reached (`state.partial`), so an epoch stopped at step k and resumed is the epoch an
+    uninterrupted run would have had.
     `update` sums loss and accuracy on the device and reads them every LOG_EVERY steps only
     (the GPU never waits for the host), raising NonFiniteLoss at the first bad step.  After a
     SIGTERM/SIGINT -- agreed by every rank when `comm` is given -- the iteration ends early and

@@ -23,3 +23,21 @@ def last_value(argv, flag):
     found = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag]
     assert found, f"{flag} is not on the command line {argv}"
     return found[-1]
+
+
+def ok(proc):
+    """A finished script's stdout lines; fails with its output unless it exited 0."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout.splitlines()
+
+
+def one_error_line(proc, *needles):
+    """Bad input's contract: exit 2, exactly one line on stderr naming each needle, no
+    traceback.  Returns the line."""
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert str(needle) in lines[0], (needle, lines[0])
+    return lines[0]

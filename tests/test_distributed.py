@@ -88,8 +88,8 @@ def loader_for(global_batch, rank, world):
                         mean=(0.5,) * 3, std=(0.25,) * 3, rank=rank, world_size=world, seed=7)
 
 
-def _sync_worker(rank, world, port, divide_by, result_path):
-    from sync_sgd_cifar100 import BucketedAllReduce
+def _sync_worker(rank, world, port, divide_by, result_path, exchange="buckets"):
+    from sync_sgd_cifar100 import BucketedAllReduce, average_gradients
     torch.set_num_threads(1)
     import_before_init()  # as distributed.start does (see there)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -97,19 +97,23 @@ def _sync_worker(rank, world, port, divide_by, result_path):
     torch.manual_seed(rank)  # different seeds: the broadcast must make them equal
     model = NoBatchNormNet()
     Comm(Launch("test", rank, world)).broadcast_parameters(model)
-    reducer = BucketedAllReduce(model, divide_by, bucket_mb=0.001)  # many buckets
-    assert len(reducer.buckets) > 2
-    params = train_steps(model, loader_for(16, rank, world), 2, reducer.wait)
+    if exchange == "per-parameter":  # the slides' way: one all_reduce per parameter
+        step = lambda: average_gradients(model, divide_by)  # noqa: E731
+    else:
+        reducer = BucketedAllReduce(model, divide_by, bucket_mb=0.001)  # many buckets
+        assert len(reducer.buckets) > 2
+        step = reducer.wait
+    params = train_steps(model, loader_for(16, rank, world), 2, step)
     if rank == 0:
         torch.save(params, result_path)
     dist.barrier()  # both ranks done with every collective before either tears gloo down
     dist.destroy_process_group()
 
 
-def sync_params(tmp_path, divide_by):
-    result = tmp_path / f"params_{divide_by}.pt"
-    mp.start_processes(_sync_worker, args=(2, free_port(), divide_by, str(result)), nprocs=2,
-                       start_method="spawn")
+def sync_params(tmp_path, divide_by, exchange="buckets"):
+    result = tmp_path / f"params_{divide_by}_{exchange}.pt"
+    mp.start_processes(_sync_worker, args=(2, free_port(), divide_by, str(result), exchange),
+                       nprocs=2, start_method="spawn")
     return torch.load(result)
 
 
@@ -123,6 +127,15 @@ def test_sync_sgd_on_two_ranks_equals_one_process_with_the_global_batch(tmp_path
     # The same run with summed gradients must be told apart: the test can fail.
     summed = sync_params(tmp_path, divide_by=1)
     assert not torch.allclose(summed, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_per_parameter_averaging_equals_one_process_too(tmp_path):
+    """--exchange per-parameter (the slides' average_gradients) makes the same updates."""
+    torch.manual_seed(0)
+    expected = train_steps(NoBatchNormNet(), loader_for(16, 0, 1), 2, lambda: None)
+    averaged = sync_params(tmp_path, divide_by=2, exchange="per-parameter")
+    assert torch.allclose(averaged, expected, rtol=1e-4, atol=1e-5), \
+        (averaged - expected).abs().max()
 
 
 def _broadcast_worker(rank, world, port, result_path):

@@ -163,7 +163,7 @@ def test_torchrun_on_two_nodes_with_c10d_rendezvous(hosts, cifar_dir, tmp_path):
     results = finish(procs)
     for code, stdout, stderr in results:
         assert code == 0, stdout + stderr
-    assert f"launcher torchrun | rank 0 of world 2" in results[0][1]
+    assert "launcher torchrun | rank 0 of world 2" in results[0][1]
     assert f"gloo interface {hosts.links[0]}" in results[0][1]
     assert epochs(out) == [1]
 

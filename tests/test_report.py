@@ -139,7 +139,8 @@ def expected_row(folder, name):
     target = float(HOMEWORK[script].rstrip("%"))
     layout = {"sync_sgd_cifar100": f"2 ranks x {args['batch_size'] // 2} = global batch "
                                    f"{args['batch_size'] // 2 * 2}",
-              "async_sgd_cifar100": f"1 server + 2 workers, batch {args['batch_size']} each"}
+              "async_sgd_cifar100": f"1 server + 2 workers x {args['batch_size'] // 2} = global "
+                                    f"batch {args['batch_size'] // 2 * 2}"}
     staleness = "-"
     if script == "async_sgd_cifar100":
         staleness = (f"{statistics.mean(float(r['mean_staleness']) for r in metrics):.2f} / "

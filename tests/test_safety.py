@@ -16,7 +16,7 @@ import torch
 
 from common import checkpoint, data
 from datagen import make_cifar100, snapshot_tree
-from helpers import ROOT, child_env
+from helpers import ROOT, child_env, ok, one_error_line
 
 TIMEOUT = 240
 SMALL = ["--device", "cpu", "--train-limit", "48", "--test-limit", "24", "--batch-size", "16"]
@@ -41,21 +41,6 @@ def run(*args, cwd=ROOT):
 def train(data_dir, out, epochs):
     return run("resnet_cifar100.py", "--data-dir", data_dir, "--out", out, "--epochs", epochs,
                *SMALL)
-
-
-def ok(proc):
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout.splitlines()
-
-
-def one_error_line(proc, *needles):
-    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert str(needle) in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from helpers import ok, one_error_line
 from tests.datagen import make_resnet18_weights, snapshot_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,21 +35,6 @@ def run_script(script, *args, cwd, env=None, timeout=240):
     return subprocess.run([sys.executable, os.path.join(REPO, script), *map(str, args)],
                           cwd=cwd, env=env or clean_env(), capture_output=True, text=True,
                           timeout=timeout)
-
-
-def ok(proc):
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc.stdout.splitlines()
-
-
-def one_error_line(proc, *needles):
-    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    for needle in needles:
-        assert str(needle) in lines[0], (needle, lines[0])
-    assert "Traceback" not in proc.stderr
-    return lines[0]
 
 
 def read_rows(out):

@@ -22,7 +22,6 @@ pickles) and ``make_tinyimagenet_yardstick`` (the TinyImageNet-200 tree of JPEGs
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 

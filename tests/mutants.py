@@ -1,0 +1,446 @@
+"""The field's classic training bugs as named mutants of this tree, and a check that the tests
+catch each one.
+
+    python tests/mutants.py                  # every mutant: a table, exit status 1 if any survives
+    python tests/mutants.py --only NAME ...  # just those
+    python tests/mutants.py --list           # each mutant's bug, and the tests that should fail
+
+A mutant is a small edit that puts one classic bug where it would really live (a line left out,
+a wrong argument).  For each, the tree is copied to a scratch folder (the files git tracks or
+would track: no .venv, runs/ or data/), the edit is applied there, and `python -m pytest -x -q`
+runs the mutant's tests in that copy with this interpreter.  "killed": a test failed, as it
+should; "survived": they all passed -- the suite cannot tell the bug from the real thing;
+"error": the edit no longer applies (its original text is not found exactly once: the mutant is
+stale and must be updated with the code), or the tests timed out or could not run.  First, the
+same tests run once on an unmutated copy: a failure there would pass for a kill, so the run
+stops (exit status 2).  The working tree is never changed.  The whole list takes about 9
+minutes on 2 cores.
+"""
+import argparse
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUGS = "tests/test_classic_bugs.py::"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to the repository root
+    original: str  # must occur exactly once in the file
+    replacement: str
+    tests: tuple  # pytest arguments: node ids, or a file with "-k", EXPRESSION
+    bug: str
+    timeout: int = 600  # seconds for its tests
+
+
+def replay(main):
+    return BUGS + f"test_every_sgd_step_uses_its_own_batch_and_the_per_step_schedule[{main}]"
+
+
+SYNC_END_TO_END = BUGS + "test_sync_sgd_logs_the_accuracy_of_the_model_it_saves[2]"
+SYNC_END_TO_END_3 = BUGS + "test_sync_sgd_logs_the_accuracy_of_the_model_it_saves[3]"
+EVALUATION = BUGS + ("test_evaluation_is_the_same_at_every_test_batch_size_and_leaves_the_"
+                     "model_alone")
+RESUME = "tests/test_scripts.py::test_resume_continues_where_it_stopped"
+
+MUTANTS = [
+    # ------------------------------------------------------------------------- evaluation
+    Mutant("eval-without-model-eval", "common/training.py",
+           "    model.eval()\n", "",
+           (EVALUATION,),
+           "evaluation in training mode: BatchNorm uses batch statistics (and updates its "
+           "running ones), dropout stays on"),
+    Mutant("eval-without-no-grad", "common/training.py",
+           "@torch.no_grad()\ndef evaluate(", "def evaluate(",
+           (BUGS + "test_evaluation_builds_no_autograd_graph",),
+           "evaluation builds an autograd graph (the memory of a backward pass, for nothing)"),
+    Mutant("accuracy-averaged-over-batches", "common/training.py",
+           '        totals[0] += F.cross_entropy(output.float(), labels, reduction="sum")\n'
+           "        totals[1] += (output.argmax(1) == labels).sum()\n"
+           "        totals[2] += labels.numel()\n",
+           "        totals[0] += F.cross_entropy(output.float(), labels)\n"
+           "        totals[1] += (output.argmax(1) == labels).float().mean()\n"
+           "        totals[2] += 1\n",
+           (EVALUATION,),
+           "test loss and accuracy are means of per-batch means: a short last batch weighs "
+           "as much as a full one"),
+    Mutant("label-smoothing-on-the-test-loss", "common/training.py",
+           'F.cross_entropy(output.float(), labels, reduction="sum")',
+           'F.cross_entropy(output.float(), labels, reduction="sum", label_smoothing=0.1)',
+           (EVALUATION,),
+           "the test loss is label-smoothed (not the plain cross-entropy anyone compares)"),
+    # ------------------------------------------------------------------- the data's order
+    Mutant("set-epoch-never-called", "common/training.py",
+           "        self.loader.set_epoch(self.epoch)\n", "",
+           (BUGS + "test_each_epoch_visits_every_sample_once_in_a_new_order",),
+           "the training loop never calls set_epoch: every epoch the same order and crops"),
+    Mutant("async-worker-never-calls-set-epoch", "async_sgd_cifar100.py",
+           "        train_loader.set_epoch(epoch)  # a new shuffle (and crops and flips) every "
+           "epoch\n", "",
+           (BUGS + "test_async_worker_visits_its_shard_in_a_new_order_each_epoch",),
+           "async workers see their shard in the same order every epoch"),
+    Mutant("sampler-seeded-per-rank", "common/loader.py",
+           "shuffle=True, seed=seed)", "shuffle=True, seed=seed + rank)",
+           ("tests/test_data.py::test_train_sampler_shards_cover_each_sample_once_per_epoch",),
+           "each rank shuffles with its own seed: the shards overlap and miss samples"),
+    Mutant("one-crop-per-batch", "common/loader.py",
+           "    dy = torch.randint(0, 2 * pad + 1, (b, 1), device=dev, generator=gen)\n"
+           "    dx = torch.randint(0, 2 * pad + 1, (b, 1), device=dev, generator=gen)\n"
+           "    flip = torch.rand((b, 1), device=dev, generator=gen) < 0.5\n",
+           "    dy = torch.randint(0, 2 * pad + 1, (1, 1), device=dev, generator=gen)"
+           ".expand(b, 1)\n"
+           "    dx = torch.randint(0, 2 * pad + 1, (1, 1), device=dev, generator=gen)"
+           ".expand(b, 1)\n"
+           "    flip = (torch.rand((1, 1), device=dev, generator=gen) < 0.5).expand(b, 1)\n",
+           ("tests/test_data.py::test_augmentation_is_random_zero_padded_crop_and_flip",),
+           "one crop and one flip drawn per batch, not per image"),
+    Mutant("training-images-not-augmented", "common/loader.py",
+           "self.augment = train if augment is None else augment",
+           "self.augment = False if augment is None else augment",
+           ("tests/test_data.py::test_augmentation_is_random_zero_padded_crop_and_flip",),
+           "no random crop or flip on the training images"),
+    Mutant("dropout-not-reseeded-per-epoch", "common/training.py",
+           "        torch.manual_seed(epoch_seed(self.args.seed, self.epoch, self.proc.rank) "
+           "+ self.start)\n", "",
+           (RESUME,),
+           "dropout masks continue the process's stream: a resumed run is not the "
+           "uninterrupted one"),
+    # ------------------------------------------------------------------ data and labels
+    Mutant("cifar-coarse-labels", "common/data.py",
+           'batch.get(b"fine_labels")', 'batch.get(b"coarse_labels")',
+           ("tests/test_data.py::test_cifar_loader_shapes_labels_classes",),
+           "CIFAR-100's 20 coarse labels instead of the 100 fine ones"),
+    Mutant("cifar-reshaped-as-hwc", "common/data.py",
+           "torch.from_numpy(data.reshape(-1, 3, 32, 32).copy())",
+           "torch.from_numpy(data.reshape(-1, 32, 32, 3).copy()).permute(0, 3, 1, 2)",
+           ("tests/test_data.py::test_cifar_loader_shapes_labels_classes",),
+           "the channel-planar rows read as height x width x channel (the classic transpose "
+           "mistake)"),
+    Mutant("tiny-val-labels-in-wnids-order", "common/data.py",
+           '            val.append((os.path.join(root, "val", "images", fields[0]), '
+           "index[fields[1]]))\n",
+           '            val.append((os.path.join(root, "val", "images", fields[0]), '
+           "open(wnids_path).read().split().index(fields[1])))\n",
+           ("tests/test_data.py::test_tiny_val_split_matches_annotations",),
+           "TinyImageNet validation labels numbered in wnids.txt's order, training folders "
+           "in sorted order"),
+    Mutant("test-images-augmented", "common/loader.py",
+           "self.augment = train if augment is None else augment",
+           "self.augment = True if augment is None else augment",
+           ("tests/test_data.py::test_test_batches_not_augmented_and_normalised",),
+           "random crops and flips applied to the test images too"),
+    Mutant("test-set-other-statistics", "common/loader.py",
+           "max(args.batch_size, 256), args, proc, False, pretrained, rank,",
+           "max(args.batch_size, 256), args, proc, False, True, rank,",
+           (BUGS + "test_training_and_test_batches_are_normalised_alike",),
+           "the test set normalised with ImageNet's mean and std, the training set with its "
+           "own"),
+    Mutant("imagenet-weights-get-dataset-statistics", "common/loader.py",
+           "    if pretrained or dataset not in SPECS:\n",
+           "    if dataset not in SPECS:\n",
+           (BUGS + "test_training_and_test_batches_are_normalised_alike[imagenet-weights]",),
+           "the loaders normalise with the data set's statistics even for ImageNet weights"),
+    Mutant("pretrained-fed-cifar-statistics", "pretrained_cifar100.py",
+           "pretrained=True)  # ImageNet's mean and std", "pretrained=False)",
+           (BUGS + "test_pretrained_script_feeds_imagenet_normalised_images",),
+           "ImageNet weights fed images normalised with CIFAR-100's statistics"),
+    # ------------------------------------------------------------------- the SGD step
+    Mutant("zero-grad-missing", "resnet_cifar100.py",
+           "        optimizer.zero_grad(set_to_none=True)\n", "",
+           (replay("resnet_cifar100"),),
+           "gradients accumulate over every step of the run"),
+    Mutant("sync-zero-grad-missing", "sync_sgd_cifar100.py",
+           "        optimizer.zero_grad(set_to_none=True)\n", "",
+           (replay("sync_sgd_cifar100"),),
+           "sync SGD: gradients accumulate over every step"),
+    Mutant("lr-stepped-per-epoch", "resnet_cifar100.py",
+           "        scheduler.step()  # the learning rate changes every step\n"
+           "        meter.update(loss, output, labels)\n",
+           "        meter.update(loss, output, labels)\n"
+           "    scheduler.step()  # once per epoch\n",
+           (replay("resnet_cifar100"),),
+           "the per-step schedule stepped once per epoch: the warm-up lasts for ever"),
+    Mutant("lr-never-stepped", "resnet_cifar100.py",
+           "        scheduler.step()  # the learning rate changes every step\n", "",
+           (replay("resnet_cifar100"),),
+           "the schedule is never stepped: the whole run at the first warm-up step's LR"),
+    Mutant("tinyimagenet-lr-never-stepped", "resnet_tinyimagenet.py",
+           "        scheduler.step()  # the learning rate changes every step\n", "",
+           (replay("resnet_tinyimagenet"),),
+           "resnet_tinyimagenet.py never steps its schedule"),
+    Mutant("pretrained-zero-grad-missing", "pretrained_cifar100.py",
+           "        optimizer.zero_grad(set_to_none=True)\n", "",
+           (replay("pretrained_cifar100"),),
+           "fine-tuning: gradients accumulate over every step"),
+    Mutant("weight-decay-on-batchnorm-and-biases", "common/training.py",
+           '[p for p in params if p.ndim <= 1], "weight_decay": 0.0}',
+           '[p for p in params if p.ndim <= 1], "weight_decay": weight_decay}',
+           (BUGS + "test_weight_decay_shrinks_conv_and_linear_weights_only",),
+           "weight decay pulls BatchNorm scales and all biases towards 0"),
+    Mutant("weight-decay-never-applied", "common/training.py",
+           '[p for p in params if p.ndim > 1], "weight_decay": weight_decay}',
+           '[p for p in params if p.ndim > 1], "weight_decay": 0.0}',
+           (BUGS + "test_weight_decay_shrinks_conv_and_linear_weights_only",),
+           "--weight-decay is ignored: no parameter group decays"),
+    # ------------------------------------------------------------------------- resume
+    Mutant("resume-without-momentum", "common/checkpoint.py",
+           '            self.optimizer.load_state_dict(state["optimizer"])\n',
+           "            pass\n",
+           (RESUME,),
+           "a resumed run starts with empty momentum buffers"),
+    Mutant("resume-without-schedule", "common/checkpoint.py",
+           '            self.scheduler.load_state_dict(state["scheduler"])\n',
+           "            pass\n",
+           (RESUME,),
+           "a resumed run starts the LR schedule (warm-up) again"),
+    # ----------------------------------------------------------------------- sync SGD
+    Mutant("sync-every-rank-trains-on-everything", "sync_sgd_cifar100.py",
+           "batch_size=per_rank, rank=comm.rank, world_size=world)",
+           "batch_size=per_rank, rank=0, world_size=1)",
+           (SYNC_END_TO_END,),
+           "no sharding: each rank trains on the whole data set, an epoch is world x too long"),
+    Mutant("sync-buckets-sum-gradients", "sync_sgd_cifar100.py",
+           "        self.flat[b].div_(self.world_size)\n", "",
+           ("tests/test_distributed.py::"
+            "test_sync_sgd_on_two_ranks_equals_one_process_with_the_global_batch",),
+           "gradients summed over ranks, not averaged (the LR x world size)"),
+    Mutant("sync-per-parameter-sums-gradients", "sync_sgd_cifar100.py",
+           "            p.grad /= world_size\n", "",
+           ("tests/test_distributed.py::test_per_parameter_averaging_equals_one_process_too",),
+           "--exchange per-parameter sums gradients, not averages them"),
+    Mutant("sync-gradients-never-averaged", "sync_sgd_cifar100.py",
+           "        average()  # every rank now holds",
+           "        # average()  # every rank now holds",
+           (SYNC_END_TO_END,),
+           "each rank steps on its own gradient: the replicas drift apart"),
+    Mutant("sync-no-initial-broadcast", "sync_sgd_cifar100.py",
+           "        comm.broadcast_parameters(model)  # 1. every rank starts from rank 0's "
+           "weights\n", "",
+           (SYNC_END_TO_END,),
+           "ranks start from their own random weights (seed + rank) and never agree"),
+    Mutant("sync-batchnorm-not-averaged", "sync_sgd_cifar100.py",
+           "                comm.average_buffers(model)  # BatchNorm statistics: one model, the "
+           "one saved\n", "",
+           (SYNC_END_TO_END,),
+           "each rank evaluates with its own BatchNorm statistics: the accuracy logged is of "
+           "no model saved"),
+    Mutant("sync-evaluates-own-shard-only", "sync_sgd_cifar100.py",
+           "training.evaluate(model, test_loader, proc, comm)\n                state.add",
+           "training.evaluate(model, test_loader, proc)\n                state.add",
+           (SYNC_END_TO_END,),
+           "rank 0 logs the accuracy of its own test shard only"),
+    Mutant("test-set-padded", "common/loader.py",
+           "        return list(range(self.rank, self.size, self.world_size))\n",
+           "        return [i % self.size for i in range(self.rank, math.ceil(self.size / "
+           "self.world_size) * self.world_size, self.world_size)]\n",
+           ("tests/test_data.py::test_test_loader_covers_each_sample_once_without_padding",
+            SYNC_END_TO_END_3),
+           "test shards padded as DistributedSampler pads: some samples count twice"),
+    # ---------------------------------------------------------------------- async SGD
+    Mutant("async-worker-ignores-server-parameters", "async_sgd_cifar100.py",
+           "            layout.load_parameters(reply[1:])  # continue from the server's "
+           "parameters\n", "",
+           (BUGS + "test_async_worker_computes_on_the_parameters_the_server_sends",),
+           "async workers never load the server's parameters: every gradient at the "
+           "initial weights"),
+    Mutant("async-staleness-never-counted", "async_sgd_cifar100.py",
+           "self.staleness.append(self.version - self.sent_version[worker])",
+           "self.staleness.append(0)",
+           ("tests/test_distributed.py::test_async_sgd_workers_of_different_speeds_stop_cleanly",),
+           "the server reports staleness 0 whatever the workers' speeds"),
+]
+
+
+def tree_files():
+    """The files of the working tree that git tracks or would track (untracked, not ignored)."""
+    if os.path.isdir(os.path.join(ROOT, ".git")) and shutil.which("git"):
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                                 "--exclude-standard"], cwd=ROOT, capture_output=True,
+                                check=True).stdout.decode()
+        return sorted(f for f in set(listed.split("\0")) if f and
+                      os.path.isfile(os.path.join(ROOT, f)))
+    skip = {".git", ".venv", "runs", "data", "__pycache__", ".pytest_cache"}
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in skip]
+        found += [os.path.relpath(os.path.join(folder, f), ROOT) for f in files
+                  if not f.endswith(".pyc")]
+    return sorted(found)
+
+
+def copy_tree(files, into):
+    for name in files:
+        target = os.path.join(into, name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, name), target)
+
+
+def stale(mutant):
+    """Why the mutant no longer applies to the working tree, or None."""
+    path = os.path.join(ROOT, mutant.file)
+    if not os.path.isfile(path):
+        return f"{mutant.file} does not exist"
+    with open(path) as f:
+        count = f.read().count(mutant.original)
+    if count != 1:
+        return f"its original text is found {count} times in {mutant.file}, not once"
+    return None
+
+
+def apply(mutant, tree):
+    path = os.path.join(tree, mutant.file)
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(text.replace(mutant.original, mutant.replacement, 1))
+
+
+def run_tests(mutant, tree):
+    """(result, seconds, output) of the mutant's tests in `tree`."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTHONPATH", None)
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+               *mutant.tests]
+    began = time.monotonic()
+    proc = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=mutant.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # pytest and whatever it started (mpirun, ranks)
+        output, _ = proc.communicate()
+        return f"error (timeout {mutant.timeout} s)", time.monotonic() - began, output
+    seconds = time.monotonic() - began
+    if proc.returncode == 1:  # tests ran and at least one failed
+        return "killed", seconds, output
+    if proc.returncode == 0:
+        return "survived", seconds, output
+    return f"error (pytest exit {proc.returncode})", seconds, output
+
+
+def baseline(chosen, files, scratch):
+    """Run the chosen mutants' tests on an unmutated copy: a mutant is "killed" only where
+    they pass without it.  Returns (passed, seconds, output)."""
+    subsets = list(dict.fromkeys(m.tests for m in chosen))
+    if not any(arg.startswith("-") for tests in subsets for arg in tests):  # node ids: one run
+        subsets = [tuple(dict.fromkeys(arg for tests in subsets for arg in tests))]
+    tree = os.path.join(scratch, "unmutated")
+    copy_tree(files, tree)
+    seconds, outputs = 0.0, []
+    for tests in subsets:
+        clean = Mutant("unmutated", "", "", "", tests, "", timeout=1800)
+        result, took, output = run_tests(clean, tree)
+        seconds += took
+        outputs.append(output)
+        if result != "survived":  # i.e. not every test passed
+            return False, seconds, output
+    shutil.rmtree(tree, ignore_errors=True)
+    return True, seconds, outputs[-1]
+
+
+def short(tests):
+    return " ".join(t.replace("tests/", "").replace("test_classic_bugs.py::", "bugs::")
+                    for t in tests)
+
+
+def print_table(rows):
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for k, row in enumerate(rows):
+        print("  ".join(cell.ljust(w) if i < 3 else cell.rjust(w)
+                        for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copies")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the first run of the tests on the unmutated tree")
+    parser.add_argument("--tests", nargs="+", metavar="TEST",
+                        help="run these pytest arguments against the chosen mutants instead of "
+                             "their own tests (does another test catch them too?)")
+    args = parser.parse_args(argv)
+
+    names = [m.name for m in MUTANTS]
+    assert len(set(names)) == len(names), "two mutants share a name"
+    chosen = MUTANTS
+    if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            print(f"error: no mutant named {', '.join(unknown)}; --list shows them",
+                  file=sys.stderr)
+            return 2
+        chosen = [m for m in MUTANTS if m.name in args.only]
+    if args.tests:
+        chosen = [dataclasses.replace(m, tests=tuple(args.tests)) for m in chosen]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}  ({m.file})\n    bug:   {m.bug}\n    tests: {short(m.tests)}")
+        return 0
+
+    files = tree_files()
+    scratch = tempfile.mkdtemp(prefix="mutants-")
+    rows = [("mutant", "tests run", "result", "seconds")]
+    failed = []
+    began = time.monotonic()
+    try:
+        if not args.no_baseline:
+            print("the tests on the unmutated tree first ...", flush=True)
+            passed, seconds, output = baseline(chosen, files, scratch)
+            if not passed:
+                print("\n".join(output.rstrip().splitlines()[-30:]))
+                print(f"\nthe unmutated tree fails these tests ({seconds:.0f} s): a failure "
+                      "could not be told from a kill; fix the tests or the tree first")
+                return 2
+            print(f"    they pass ({seconds:.0f} s)", flush=True)
+        for k, mutant in enumerate(chosen, 1):
+            why = stale(mutant)
+            if why:
+                result, seconds, output = f"error (stale: {why})", 0.0, ""
+            else:
+                tree = os.path.join(scratch, mutant.name)
+                copy_tree(files, tree)
+                apply(mutant, tree)
+                result, seconds, output = run_tests(mutant, tree)
+                if not args.keep:
+                    shutil.rmtree(tree, ignore_errors=True)
+            rows.append((mutant.name, short(mutant.tests), result, f"{seconds:.0f}"))
+            print(f"[{k}/{len(chosen)}] {mutant.name}: {result} ({seconds:.0f} s)", flush=True)
+            if result == "killed":  # the evidence: which test failed, and how
+                lines = output.splitlines()
+                failed_test = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+                reason = [ln for ln in lines if ln.startswith("E ")]
+                for line in failed_test[:1] + reason[:1]:
+                    print("    " + line[:200], flush=True)
+            else:
+                failed.append(mutant.name)
+                tail = "\n".join(output.rstrip().splitlines()[-15:])
+                if tail:
+                    print("    " + tail.replace("\n", "\n    "), flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print()
+    print_table(rows)
+    total = time.monotonic() - began
+    killed = len(chosen) - len(failed)
+    print(f"\n{killed} of {len(chosen)} mutants killed in {total / 60:.1f} min"
+          + (f"; not killed: {', '.join(failed)}" if failed else ""))
+    if args.keep:
+        print(f"scratch copies kept in {scratch}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
