@@ -397,7 +397,8 @@ def main(argv=None):
             if args.evaluate:
                 return training.evaluate_checkpoint(model, test_loader, proc, checkpoint, state)
             training.describe(proc, args, model, train_set, test_set,
-                              f"1 server + {n_workers} workers x batch {per_worker_batch} = "
+                              f"1 server + {n_workers} worker{'s' * (n_workers > 1)} x batch "
+                              f"{per_worker_batch} = "
                               f"global batch {per_worker_batch * n_workers}, {updates_per_epoch} "
                               "updates per epoch")
             folder.write_config(resumed_after_epoch=state.epoch,

@@ -76,8 +76,8 @@ class Run:
         if self.is_async:
             workers = world - 1  # --batch-size is the global batch, split over the workers
             per_worker = self.batch // workers
-            return (f"1 server + {workers} workers x {per_worker} = global batch "
-                    f"{per_worker * workers}")
+            return (f"1 server + {workers} worker{'s' * (workers > 1)} x {per_worker} = "
+                    f"global batch {per_worker * workers}")
         if world > 1:  # sync SGD: --batch-size is the global batch, split over the ranks
             per_rank = self.batch // world
             return f"{world} ranks x {per_rank} = global batch {per_rank * world}"

@@ -6,15 +6,15 @@ clutter and noise, written in the CIFAR-100 pickle layout) with the real scripts
 runs them:
 
 * one process          python resnet_cifar100.py
-* sync SGD             mpirun -np R python sync_sgd_cifar100.py            R = 2, 4
+* sync SGD             mpirun -np R python sync_sgd_cifar100.py            R = 2, 4, 8
 * async SGD            mpirun -np W+1 python async_sgd_cifar100.py         W = 1, 2, 4, 8
 
 all with the same epochs, samples, global batch (--batch-size) and learning rate, over
 several seeds (--seed: initial weights, data order, augmentation, dropout; the data set is
 the same).  It prints the test accuracy per epoch (mean over seeds), the final accuracy's
 mean and spread, the async runs' mean and max staleness, and the gap of each async run to
-sync SGD with as many ranks as it has workers (W = 1: the one process; W = 8: the largest
-sync run).  Every process gets cores / processes threads; on 2 cores a full run takes about
+sync SGD with as many ranks as it has workers (W = 1: the one process): with batch / N
+samples per process, BatchNorm sees the same batch size in both.  Every process gets cores / processes threads; on 2 cores a full run takes about
 2 hours, --quick (one seed, a smaller yardstick) about 25 minutes.
 """
 import csv
@@ -28,7 +28,7 @@ import time
 from util import REPO_ROOT, SMOKE, TESTS_DIR, log, out_of_time, table
 
 FULL = dict(n_train=6400, n_test=2000, epochs=6, batch=64, lr=0.05, seeds=(0, 1, 2),
-            sync=(2, 4), workers=(1, 2, 4, 8))
+            sync=(2, 4, 8), workers=(1, 2, 4, 8))
 QUICK = dict(n_train=3200, n_test=1000, epochs=4, batch=32, lr=0.05, seeds=(0,),
              sync=(2, 4), workers=(2, 4, 8))
 SMOKE_SIZES = dict(n_train=256, n_test=128, epochs=1, batch=32, lr=0.05, seeds=(0,),

@@ -93,3 +93,19 @@ def test_async_sgd_never_does_worse_than_a_uniform_guess(async_rows):
     uniform = math.log(100)  # the scripts build CIFAR-100's 100-way head
     assert all(r["train_loss"] < uniform for r in async_rows), \
         [r["train_loss"] for r in async_rows]
+
+
+def test_the_tinyimagenet_yardstick_is_a_tree_the_reader_reads(tmp_path):
+    """The yardstick also comes as the TinyImageNet-200 tree (64x64 JPEGs, val labels in
+    val_annotations.txt): the real reader takes it, every class alike, the grayscale fifth of
+    the images as three equal channels."""
+    from common import data
+    from yardstick import make_tinyimagenet_yardstick
+    make_tinyimagenet_yardstick(tmp_path, n_classes=10, n_train_per_class=5, n_val_per_class=5)
+    train, val = data.read_tinyimagenet(str(tmp_path), workers=0)
+    assert train.images.shape == (50, 3, 64, 64) and val.images.shape == (50, 3, 64, 64)
+    assert train.labels.bincount().tolist() == [5] * 10 == val.labels.bincount().tolist()
+    gray = (train.images[:, 0] == train.images[:, 1]).flatten(1).all(1) & \
+        (train.images[:, 1] == train.images[:, 2]).flatten(1).all(1)
+    assert gray.sum() == 10  # image i % 5 == 4 of each class
+    assert train.images.float().std() > 30  # drawn images, not flat colour
