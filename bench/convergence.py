@@ -18,6 +18,7 @@ samples per process, BatchNorm sees the same batch size in both.  Every process 
 2 hours, --quick (one seed, a smaller yardstick) about 25 minutes.
 """
 import csv
+import json
 import os
 import statistics
 import subprocess
@@ -107,6 +108,16 @@ def summary(results):
     return out
 
 
+def save_partial(results):
+    """The runs done so far, so that hours of training survive a killed benchmark."""
+    path = os.path.join(REPO_ROOT, "bench", "results", "convergence_partial.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({name: {str(k): v for k, v in per_seed.items()}
+                   for name, per_seed in results.items()}, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def run(quick):
     cfg = SMOKE_SIZES if SMOKE else (QUICK if quick else FULL)
     results, walls = {}, {}
@@ -125,6 +136,7 @@ def run(quick):
                 walls.setdefault(name, []).append(wall)
                 log(f"[5] {name}, seed {seed}: final test accuracy {rows[-1]['test_acc']:.2f}% "
                     f"({wall:.0f} s)")
+                save_partial(results)
     stats = summary(results)
     header = ["run", *[f"epoch {e + 1}" for e in range(cfg["epochs"])], "final mean",
               "min", "max", "gap to sync", "staleness mean", "max", "wall s"]
