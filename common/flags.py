@@ -33,6 +33,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see {self.prog} --help\n")
 
 
+def tensorboard_missing():
+    """Why --tensorboard cannot write (None when it can): torch's writer needs the package."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError as exc:
+        return f"the tensorboard package is not importable ({exc}); pip install tensorboard"
+    return None
+
+
 class TensorBoardFlag(argparse.Action):
     """A store-true flag that exits (status 2, one line) while the arguments are parsed, on
     every rank, when the tensorboard package is missing: before any training."""
@@ -41,7 +50,6 @@ class TensorBoardFlag(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from .outputs import tensorboard_missing
         why = tensorboard_missing()
         if why:
             parser.exit(2, f"error: {option_string}: {why}\n")

@@ -148,16 +148,6 @@ TENSORBOARD_TAGS = {"train_loss": "loss/train", "test_loss": "loss/test",
                     "train_acc": "accuracy/train", "test_acc": "accuracy/test",
                     "lr": "learning_rate", "images_per_s": "images_per_s",
                     "mean_staleness": "staleness/mean", "max_staleness": "staleness/max"}
-INSTALL_TENSORBOARD = "pip install tensorboard"
-
-
-def tensorboard_missing():
-    """Why --tensorboard cannot write (None when it can): torch's writer needs the package."""
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError as exc:
-        return f"the tensorboard package is not importable ({exc}); {INSTALL_TENSORBOARD}"
-    return None
 
 
 class TensorBoardLog:
