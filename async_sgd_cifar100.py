@@ -14,11 +14,13 @@ samples, and N updates, each with the learning rate / N, add up to one step of s
 A gradient is *stale* by the number of updates the server applied between sending that worker
 its parameters and receiving the gradient computed from them: about N - 1, one sync step.
 
-The update rule is Nesterov momentum with one buffer per worker (DANA, Hakimi et al. 2019):
-worker i's gradient g moves only its own buffer, v_i <- mu v_i + g, and the parameters,
-theta <- theta - lr v_i; the server replies with the parameters looked ahead along every
-worker's buffer, theta - lr mu sum_j v_j -- about where the next N updates take them -- so each
-gradient is computed near where it will be applied.  The slides' rule (one momentum buffer,
+The update rule is torch's Nesterov momentum with one buffer per worker (DANA, Hakimi et al.
+2019): worker i's gradient g moves only its own buffer, v_i <- mu v_i + g, and the parameters
+by torch's Nesterov step, theta <- theta - lr (g + mu v_i).  Nesterov's step already looks
+ahead along the momentum: written for the parameters before the look-ahead, it replies with
+those moved on along every worker's buffer, about where the next N updates take them, so each
+gradient is computed near where it will be applied.  With one worker it is
+torch.optim.SGD(nesterov=True), step for step (tests/test_learning.py).  The slides' rule (one momentum buffer,
 each gradient applied as it comes) diverges on this network with gradients one update stale;
 BENCHMARKS.md ("Async SGD under staleness") has the rules tried and what each scored.
 
@@ -174,7 +176,6 @@ class Server:
         if len(momentum) != n_workers:
             momentum = [torch.zeros_like(self.theta) for _ in range(n_workers)]
         self.v = {w + 1: m.to(self.theta.device) for w, m in enumerate(momentum)}
-        self.total = sum(self.v.values())  # sum over workers of their buffers
         self.version = state.extra.get("updates", state.epoch * updates_per_epoch)
         self.workers = list(self.v)
         self.replies = {w: torch.zeros(self.layout.reply_size) for w in self.workers}
@@ -191,15 +192,14 @@ class Server:
 
     def apply(self, worker, message):
         """The update rule: worker i's gradient moves its own momentum buffer, and the
-        parameters by it (weight decay on conv and linear weights is part of the gradient)."""
+        parameters by torch's Nesterov step (weight decay on conv and linear weights is part
+        of the gradient)."""
         body = message[HEADER:].to(self.theta.device)
         gradient, buffers = body.split([self.layout.n_params, self.layout.n_buffers])
-        gradient.addcmul_(self.decay, self.theta)  # + weight decay * theta
+        gradient.addcmul_(self.decay, self.theta)  # g + weight decay * theta
         v = self.v[worker]
-        self.total.sub_(v)
         v.mul_(self.mu).add_(gradient)  # v_i <- mu v_i + g
-        self.total.add_(v)
-        self.theta.sub_(v, alpha=self.lr())  # theta <- theta - lr v_i
+        self.theta.sub_(gradient.add_(v, alpha=self.mu), alpha=self.lr())  # - lr (g + mu v_i)
         self.statistics[worker] = buffers.clone()  # its latest BatchNorm statistics
         self.staleness.append(self.version - self.sent_version[worker])
         self.version += 1
@@ -209,14 +209,12 @@ class Server:
                        self.totals[2] + samples]
 
     def reply(self, worker, status):
-        """Send `worker` the parameters to compute its next gradient on: looked ahead along
-        every worker's momentum, theta - lr mu sum_j v_j."""
+        """Send `worker` the parameters to compute its next gradient on."""
         if worker in self.pending:
             self.pending[worker].wait()  # the previous reply to it has left the buffer
         out = self.replies[worker]
         out[0] = status
-        ahead = torch.add(self.theta, self.total, alpha=-self.lr() * self.mu)
-        out[1:].copy_(ahead)
+        out[1:].copy_(self.theta)
         self.pending[worker] = dist.isend(out, dst=worker)
         self.sent_version[worker] = self.version
 
@@ -313,7 +311,6 @@ class Server:
         self.new_epoch()
 
     def save(self):
-        self.total = sum(self.v.values())  # (re-summed: no drift from the running sum)
         self.state.extra = {"updates": self.version,
                             "momentum": [self.v[w].cpu() for w in self.workers]}
         self.checkpoint.save(self.state)
