@@ -20,9 +20,10 @@ by torch's Nesterov step, theta <- theta - lr (g + mu v_i).  Nesterov's step alr
 ahead along the momentum: written for the parameters before the look-ahead, it replies with
 those moved on along every worker's buffer, about where the next N updates take them, so each
 gradient is computed near where it will be applied.  With one worker it is
-torch.optim.SGD(nesterov=True), step for step (tests/test_learning.py).  The slides' rule (one momentum buffer,
-each gradient applied as it comes) diverges on this network with gradients one update stale;
-BENCHMARKS.md ("Async SGD under staleness") has the rules tried and what each scored.
+torch.optim.SGD(nesterov=True), step for step (tests/test_learning.py).  The slides' rule
+(one momentum buffer, each gradient applied as it comes) diverges on this network with
+gradients one update stale; BENCHMARKS.md ("Async SGD under staleness") has the rules tried
+and what each scored.
 
 The server evaluates the test set once per epoch-equivalent of updates (training samples /
 global batch), so the curve has a point per epoch.  Each worker announces when its epochs are

@@ -11,8 +11,8 @@
 3. ps        async SGD parameter server: updates/s and busy fraction, 1..8 workers
 4. gpu       CUDA only: resnet_cifar100.py epoch time, fraction of bf16 peak, options
 5. convergence  on the yardstick (data that is hard to learn): test accuracy per epoch of one
-             process, sync SGD on 2 and 4 ranks, async SGD with 1, 2, 4 and 8 workers
-             (not part of the default run: about 2 hours on 2 cores; --quick: 25 minutes)
+             process, sync SGD on 2, 4 and 8 ranks, async SGD with 1, 2, 4 and 8 workers
+             (not part of the default run: about 80 minutes on 2 quiet cores; --quick: 25 minutes)
 
 BENCHMARKS.md explains each and holds the results.  Timings are only as good as the machine's
 quiet: the load average and how busy the CPUs were before each benchmark are recorded.

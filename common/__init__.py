@@ -1,1 +1,1 @@
-"""Shared machinery of the HW4 training scripts: model, data, distributed set-up, engine, outputs."""
+"""Shared machinery of the HW4 training scripts: model, data, distributed set-up, training, outputs."""
