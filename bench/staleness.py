@@ -68,7 +68,8 @@ class Rule:
         self.style, self.correction, self.lr_rule = momentum, correction, lr
         self.decay = [args.weight_decay if p.ndim > 1 else 0.0 for p in self.params]
         zeros = lambda: [torch.zeros_like(p) for p in self.params]  # noqa: E731
-        self.v = {w: zeros() for w in range(n_workers)} if momentum == "dana" else {0: zeros()}
+        per_worker = momentum in ("dana", "nesterov")
+        self.v = {w: zeros() for w in range(n_workers)} if per_worker else {0: zeros()}
         self.total = zeros()  # dana: the sum of every worker's buffer
         self.sent = {}
         if correction == "dc":
@@ -104,7 +105,7 @@ class Rule:
             if worker < self.tau:
                 return
             grads = [g / (self.tau + 1) for g in self.pending]
-        lr = self.lr()
+        lr = self.lr() * (self.args.lr_scale if self.style != "sync" else 1.0)
         if self.lr_rule == "stale" and self.tau > 0:
             lr = lr / self.tau
         if self.correction == "dc":
@@ -117,7 +118,7 @@ class Rule:
                 gap = (p - old).abs() / (c + 1e-12)  # in typical steps
                 g.div_(gap.add_(1.0) if self.args.ga_form == "plus" else gap.clamp_(min=1.0))
         before = [p.clone() for p in self.params] if self.correction == "ga" else None
-        v = self.v[worker if self.style == "dana" else 0]
+        v = self.v[worker if self.style in ("dana", "nesterov") else 0]
         for p, g, vi, tot, wd in zip(self.params, grads, v, self.total, self.decay):
             if wd:
                 g.add_(p, alpha=wd)
@@ -133,7 +134,8 @@ class Rule:
                 vi.mul_(self.mu).add_(g)
                 tot.add_(vi)
                 p.sub_(vi, alpha=lr)
-            else:  # torch.optim.SGD(nesterov=True) ("global", "lookahead" and "sync")
+            else:  # torch.optim.SGD(nesterov=True) ("global", "lookahead", "sync"; "nesterov":
+                # one buffer per worker, as async_sgd_cifar100.py)
                 vi.mul_(self.mu).add_(g)
                 p.sub_(g.add(vi, alpha=self.mu), alpha=lr)
         if before is not None:
@@ -149,6 +151,7 @@ class Rule:
 RULES = {  # name: (momentum, correction, lr)
     "sync": ("sync", "none", "fixed"), "lookahead": ("lookahead", "none", "fixed"),
     "plain": ("global", "none", "fixed"), "dana": ("dana", "none", "fixed"),
+    "nesterov": ("nesterov", "none", "fixed"),
     "dcasgd": ("global", "dc", "fixed"), "danadc": ("dana", "dc", "fixed"),
     "ga": ("global", "ga", "fixed"), "danaga": ("dana", "ga", "fixed"),
     "stalelr": ("global", "none", "stale"), "nomomentum": ("global", "none", "fixed"),
@@ -264,6 +267,8 @@ def main(argv=None):
     p.add_argument("--warmup-epochs", type=float, default=1.0)
     p.add_argument("--ahead", type=float, default=None,
                    help="lookahead: updates to extrapolate (default: workers - 1)")
+    p.add_argument("--lr-scale", type=float, default=1.0,
+                   help="async rules: each update's learning rate times this")
     p.add_argument("--dc-lambda", type=float, default=2.0)
     p.add_argument("--spike", action="store_true",
                    help="dana: spike compensation of a gradient one own-update late")
@@ -292,7 +297,8 @@ def main(argv=None):
                 res.update(lr=args.lr, batch=args.batch_size, epochs=args.epochs,
                            ahead=args.ahead, dc_lambda=args.dc_lambda, ga_form=args.ga_form,
                            ga_beta=args.ga_beta, global_batch=args.global_batch,
-                           ahead_gradients=args.ahead_gradients, spike=args.spike)
+                           ahead_gradients=args.ahead_gradients, spike=args.spike,
+                           lr_scale=args.lr_scale, warmup_epochs=args.warmup_epochs)
                 print(json.dumps(res), flush=True)
                 if args.json:
                     with open(args.json, "a") as f:
