@@ -105,7 +105,7 @@ class Rule:
             if worker < self.tau:
                 return
             grads = [g / (self.tau + 1) for g in self.pending]
-        lr = self.lr() * (self.args.lr_scale if self.style != "sync" else 1.0)
+        lr = self.lr() * self.args.lr_scale
         if self.lr_rule == "stale" and self.tau > 0:
             lr = lr / self.tau
         if self.correction == "dc":
@@ -268,7 +268,7 @@ def main(argv=None):
     p.add_argument("--ahead", type=float, default=None,
                    help="lookahead: updates to extrapolate (default: workers - 1)")
     p.add_argument("--lr-scale", type=float, default=1.0,
-                   help="async rules: each update's learning rate times this")
+                   help="every update's learning rate times this (a learning-rate sweep)")
     p.add_argument("--dc-lambda", type=float, default=2.0)
     p.add_argument("--spike", action="store_true",
                    help="dana: spike compensation of a gradient one own-update late")
