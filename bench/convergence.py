@@ -15,9 +15,8 @@ the same).  It prints the test accuracy per epoch (mean over seeds), the final a
 mean and spread, the async runs' mean and max staleness, and the gap of each async run to
 sync SGD with as many ranks as it has workers (W = 1: the one process), with its standard
 error over the seeds: with batch / N samples per process, BatchNorm sees the same batch size
-in both.  Every process gets
-cores / processes threads; on 2 cores a full run takes about 80 minutes (quiet), --quick (one
-seed, a smaller yardstick) about 25 minutes.
+in both.  Every process gets cores / processes threads; on 2 cores a full run takes about 80
+minutes (quiet), --quick (one seed, a smaller yardstick) about 25 minutes.
 """
 import csv
 import json

@@ -25,7 +25,7 @@ def spectral_radius(m):
 
 
 def edge(update, h_max=4.0, points=1500):
-    """The first h on a grid (log-spaced, 0.3 % apart) where `update(h)` (a matrix) stops
+    """The first h on a grid (log-spaced, 0.6 % apart) where `update(h)` (a matrix) stops
     being a contraction."""
     for h in np.geomspace(1e-3, h_max, points):
         if spectral_radius(update(h)) >= 1.0:
@@ -70,17 +70,14 @@ def per_worker_rule(workers, a=1 + MU):
 
 
 def main():
-    base = edge(slides_rule(0))
     print("The slides' rule (one buffer, full rate), largest stable h = lr * lambda:")
-    for delay in (0, 1, 3, 7):
-        h = edge(slides_rule(delay))
-        print(f"  delay {delay}: {h:.3f}  ({base / h:.0f}x smaller)" if delay else
-              f"  delay 0: {h:.3f}")
-    one = edge(per_worker_rule(1))
+    edges = {delay: edge(slides_rule(delay)) for delay in (0, 1, 3, 7)}
+    for delay, h in edges.items():
+        print(f"  delay {delay}: {h:.3f}" + (f"  ({edges[0] / h:.0f}x smaller)" if delay else ""))
     print("The script's rule (lr / N per update, a Nesterov buffer per worker), h in sync steps:")
-    for workers in (1, 2, 4, 8):
-        h = edge(per_worker_rule(workers))
-        print(f"  {workers} worker(s): {h:.3f}  ({h / one:.2f} of one process's)")
+    edges = {workers: edge(per_worker_rule(workers)) for workers in (1, 2, 4, 8)}
+    for workers, h in edges.items():
+        print(f"  {workers} worker(s): {h:.3f}  ({h / edges[1]:.2f} of one process's)")
     print("The same rule with the step lr (a g + b v_old), 4 workers:")
     for a, name in ((1.0, "heavy ball"), (1 + MU, "Nesterov"), (3.0, ""),
                     (1 / (1 - MU), "no momentum")):

@@ -20,6 +20,8 @@ Rules (the server's treatment of a gradient computed on parameters `tau` updates
   dana        one momentum buffer per worker, the reply looked ahead along all of them (DANA,
               Hakimi et al. 2019; --spike adds spike compensation, --ahead-gradients a longer
               lookahead)
+  nesterov    the rule async_sgd_cifar100.py applies: one buffer per worker, torch's Nesterov
+              step theta - lr (g + mu v_i), the reply the parameters (the look-ahead built in)
   dcasgd      delay compensation (Zheng et al. 2017, DC-ASGD-a):
               g + lambda * g * g * (theta_now - theta_sent) / sqrt(mean g^2); danadc: with DANA
   ga          gap-aware (Barkai et al. 2019): g divided by how far each parameter moved since
@@ -55,7 +57,8 @@ class Rule:
     which parameters it replies with.  Three independent choices (see the module docstring):
 
     momentum   "global": one Nesterov momentum buffer (torch.optim.SGD's update, by hand);
-               "dana": one buffer per worker, the reply looking ahead along all of them
+               "dana": one buffer per worker, the reply looking ahead along all of them;
+               "nesterov": one buffer per worker, torch's Nesterov step, the reply as is
     correction "none"; "dc": delay compensation; "ga": gap-aware damping
     lr         "fixed"; "stale": divided by tau
     """
@@ -68,8 +71,8 @@ class Rule:
         self.style, self.correction, self.lr_rule = momentum, correction, lr
         self.decay = [args.weight_decay if p.ndim > 1 else 0.0 for p in self.params]
         zeros = lambda: [torch.zeros_like(p) for p in self.params]  # noqa: E731
-        per_worker = momentum in ("dana", "nesterov")
-        self.v = {w: zeros() for w in range(n_workers)} if per_worker else {0: zeros()}
+        self.per_worker = momentum in ("dana", "nesterov")  # a momentum buffer per worker
+        self.v = {w: zeros() for w in range(n_workers)} if self.per_worker else {0: zeros()}
         self.total = zeros()  # dana: the sum of every worker's buffer
         self.sent = {}
         if correction == "dc":
@@ -118,7 +121,7 @@ class Rule:
                 gap = (p - old).abs() / (c + 1e-12)  # in typical steps
                 g.div_(gap.add_(1.0) if self.args.ga_form == "plus" else gap.clamp_(min=1.0))
         before = [p.clone() for p in self.params] if self.correction == "ga" else None
-        v = self.v[worker if self.style in ("dana", "nesterov") else 0]
+        v = self.v[worker if self.per_worker else 0]
         for p, g, vi, tot, wd in zip(self.params, grads, v, self.total, self.decay):
             if wd:
                 g.add_(p, alpha=wd)
