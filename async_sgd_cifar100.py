@@ -20,7 +20,12 @@ by torch's Nesterov step, theta <- theta - lr (g + mu v_i).  Nesterov's step alr
 ahead along the momentum: written for the parameters before the look-ahead, it replies with
 those moved on along every worker's buffer, about where the next N updates take them, so each
 gradient is computed near where it will be applied.  With one worker it is
-torch.optim.SGD(nesterov=True), step for step (tests/test_learning.py).  The slides' rule
+torch.optim.SGD(nesterov=True), step for step (tests/test_learning.py).  --dc-lambda L (off by
+default) adds delay compensation (DC-ASGD, Zheng et al. 2017) before that step: the gradient,
+computed at the parameters theta_sent its worker was last sent, is moved to the current theta
+along a diagonal curvature estimate, g + L g * g * (theta - theta_sent) / sqrt(mean g^2) (mean
+g^2: a running mean over all workers' gradients).  Measured on the yardstick it helped with 2
+workers and not with 4 or 8, and it triples the server's work per update.  The slides' rule
 (one momentum buffer, each gradient applied as it comes) diverges on this network with
 gradients one update stale; BENCHMARKS.md ("Async SGD under staleness") has the rules tried
 and what each scored.
@@ -59,6 +64,7 @@ RECIPE = dict(epochs=40, batch_size=128, lr=0.1, momentum=0.9, weight_decay=5e-4
 GRADIENT, DONE, STOPPING = 0.0, 1.0, 2.0
 HEADER = 4
 CONTINUE = 0.0
+DC_LAMBDA = 0.0  # delay compensation: off (BENCHMARKS.md, "Async SGD under staleness")
 
 
 class Layout:
@@ -180,6 +186,19 @@ class Server:
         self.version = state.extra.get("updates", state.epoch * updates_per_epoch)
         self.workers = list(self.v)
         self.replies = {w: torch.zeros(self.layout.reply_size) for w in self.workers}
+        # The parameters each worker computes on (every worker starts from these): its reply
+        # buffer, or for delay compensation on a GPU a copy on the device.
+        for w in self.workers:
+            self.replies[w][1:].copy_(self.theta)
+        self.sent = {w: self.replies[w][1:] for w in self.workers}
+        if args.dc_lambda:
+            if self.theta.device.type != "cpu":
+                self.sent = {w: self.theta.clone() for w in self.workers}
+            # its curvature estimate: the running mean of g * g (resumed if saved)
+            mean_square = state.extra.get("mean_square")
+            self.mean_square = (mean_square.to(self.theta.device) if mean_square is not None
+                                else torch.zeros_like(self.theta))
+            self.scratch = (torch.empty_like(self.theta), torch.empty_like(self.theta))
         self.pending, self.sent_version = {}, {w: self.version for w in self.workers}
         self.applied = {w: 0 for w in self.workers}
         self.statistics = {}  # each worker's latest BatchNorm running statistics
@@ -192,11 +211,19 @@ class Server:
                                                                   self.updates_per_epoch)
 
     def apply(self, worker, message):
-        """The update rule: worker i's gradient moves its own momentum buffer, and the
+        """The update rule: worker i's gradient (with --dc-lambda, compensated for the updates
+        since its worker was sent parameters) moves its own momentum buffer, and the
         parameters by torch's Nesterov step (weight decay on conv and linear weights is part
         of the gradient)."""
         body = message[HEADER:].to(self.theta.device)
         gradient, buffers = body.split([self.layout.n_params, self.layout.n_buffers])
+        if self.args.dc_lambda:  # delay compensation, --dc-lambda (the module docstring)
+            self.mean_square.mul_(0.95).addcmul_(gradient, gradient, value=0.05)
+            moved, root = self.scratch  # preallocated: no 14 MB allocations per update
+            torch.sub(self.theta, self.sent[worker], out=moved)  # since it was sent
+            torch.sqrt(self.mean_square, out=root).add_(1e-7)
+            gradient.addcdiv_(moved.mul_(gradient).mul_(gradient), root,
+                              value=self.args.dc_lambda)
         gradient.addcmul_(self.decay, self.theta)  # g + weight decay * theta
         v = self.v[worker]
         v.mul_(self.mu).add_(gradient)  # v_i <- mu v_i + g
@@ -216,6 +243,8 @@ class Server:
         out = self.replies[worker]
         out[0] = status
         out[1:].copy_(self.theta)
+        if self.sent[worker].data_ptr() != out[1:].data_ptr():  # delay compensation on a GPU
+            self.sent[worker].copy_(self.theta)
         self.pending[worker] = dist.isend(out, dst=worker)
         self.sent_version[worker] = self.version
 
@@ -314,6 +343,8 @@ class Server:
     def save(self):
         self.state.extra = {"updates": self.version,
                             "momentum": [self.v[w].cpu() for w in self.workers]}
+        if self.args.dc_lambda:
+            self.state.extra["mean_square"] = self.mean_square.cpu()
         self.checkpoint.save(self.state)
 
     def saved(self):
@@ -352,6 +383,10 @@ def parse_args(argv=None):
     g = parser.add_argument_group("async SGD")
     g.add_argument("--straggler-delay", type=float, default=0.0, metavar="SECONDS",
                    help="make worker 1 sleep this long after each step (shows staleness)")
+    g.add_argument("--dc-lambda", type=float, default=DC_LAMBDA, metavar="LAMBDA",
+                   help="delay compensation's strength, lambda in DC-ASGD's g + lambda g*g*"
+                        "(theta - theta_sent) / sqrt(mean g^2) (default %(default)g: off; 2 is "
+                        "DC-ASGD's and helped with 2 workers, not with 4 or 8)")
     parser.set_defaults(backend="gloo")
     return parser.parse_args(argv)
 
@@ -369,6 +404,8 @@ def main(argv=None):
     if args.batch_size < n_workers:
         raise UserError(f"--batch-size {args.batch_size} is smaller than the {n_workers} "
                         f"workers; use at least {n_workers} (it is the global batch)")
+    if args.dc_lambda < 0:
+        raise UserError(f"--dc-lambda {args.dc_lambda:g} is negative; use 0 (off) or more")
     per_worker_batch = args.batch_size // n_workers
     proc = process.start(args, SCRIPT, launch.rank, launch.world_size, launch.local_rank)
     folder = outputs.RunFolder(args, proc, TARGET if args.dataset == "cifar100" else None)

@@ -54,6 +54,8 @@ def command(kind, processes, data_dir, out, cfg, seed):
     flags = ["--data-dir", data_dir, "--out", out, "--epochs", str(cfg["epochs"]),
              "--batch-size", str(cfg["batch"]), "--lr", str(cfg["lr"]), "--seed", str(seed),
              "--device", "cpu", "--fresh"]
+    if kind == "async":
+        flags += cfg.get("async_flags", [])
     if kind == "one process":
         return [sys.executable, os.path.join(REPO_ROOT, "resnet_cifar100.py"), *flags]
     from param_server import mpirun
@@ -134,16 +136,24 @@ def save_partial(results):
     os.replace(path + ".tmp", path)
 
 
-def run(quick):
-    cfg = SMOKE_SIZES if SMOKE else (QUICK if quick else FULL)
+def run(quick, names=None, seeds=None, async_flags=()):
+    """The whole benchmark, or the runs called `names` (as in its table) over `seeds`, the
+    async runs with `async_flags` added (a rule's variant)."""
+    cfg = dict(SMOKE_SIZES if SMOKE else (QUICK if quick else FULL))
+    cfg["seeds"] = tuple(seeds or cfg["seeds"])
+    cfg["async_flags"] = list(async_flags)
+    chosen = [r for r in runs(cfg) if names is None or r[0] in names]
+    if names is not None and len(chosen) != len(names):
+        raise SystemExit(f"--runs: choose among {[r[0] for r in runs(cfg)]}")
     results, walls = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-yardstick-") as data_dir:
         make_yardstick(data_dir, cfg["n_train"], cfg["n_test"])
         log(f"[5] yardstick: {cfg['n_train']} training / {cfg['n_test']} test images, 100 "
             f"classes; {cfg['epochs']} epochs, global batch {cfg['batch']}, lr {cfg['lr']}, "
-            f"seeds {list(cfg['seeds'])}")
+            f"seeds {list(cfg['seeds'])}" +
+            (f", async runs with {' '.join(cfg['async_flags'])}" if cfg["async_flags"] else ""))
         for seed in cfg["seeds"]:  # every configuration once per seed, in turn
-            for name, kind, processes, _ in runs(cfg):
+            for name, kind, processes, _ in chosen:
                 if out_of_time(120):
                     log(f"[5] {name}, seed {seed}: skipped (--budget)")
                     continue
@@ -157,7 +167,7 @@ def run(quick):
     header = ["run", *[f"epoch {e + 1}" for e in range(cfg["epochs"])], "final mean",
               "min", "max", "gap to sync", "staleness mean", "max", "wall s"]
     lines = []
-    for name, _, _, ref in runs(cfg):
+    for name, _, _, ref in chosen:
         if name not in stats:
             continue
         s = stats[name]
@@ -176,3 +186,21 @@ def run(quick):
             "runs": {name: {"per_seed": {str(k): v for k, v in per_seed.items()}}
                      for name, per_seed in results.items()},
             "summary": stats}
+
+
+if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the async rule
+    import argparse
+    p = argparse.ArgumentParser(description="Benchmark 5, some of its runs (bench/run.py "
+                                "--only convergence runs it whole and records the machine)")
+    p.add_argument("--runs", nargs="+", metavar="NAME",
+                   help='runs by their name in the table, e.g. "async, 2 workers"')
+    p.add_argument("--seeds", nargs="+", type=int)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--async-flags", default="", help='added to the async runs, e.g. '
+                   '"--dc-lambda 0"')
+    p.add_argument("--json", metavar="PATH", help="write the results here")
+    a = p.parse_args()
+    result = run(a.quick, a.runs, a.seeds, a.async_flags.split())
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)

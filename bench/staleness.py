@@ -23,12 +23,15 @@ Rules (the server's treatment of a gradient computed on parameters `tau` updates
   nesterov    the rule async_sgd_cifar100.py applies: one buffer per worker, torch's Nesterov
               step theta - lr (g + mu v_i), the reply the parameters (the look-ahead built in)
   dcasgd      delay compensation (Zheng et al. 2017, DC-ASGD-a):
-              g + lambda * g * g * (theta_now - theta_sent) / sqrt(mean g^2); danadc: with DANA
+              g + lambda * g * g * (theta_now - theta_sent) / sqrt(mean g^2); danadc: with DANA;
+              nesterovdc: with the script's rule (async_sgd_cifar100.py --dc-lambda 2)
   ga          gap-aware (Barkai et al. 2019): g divided by how far each parameter moved since
               it was sent, in typical steps; danaga: with DANA
   stalelr     the learning rate divided by tau (Zhang et al. 2016)
   nomomentum  momentum 0 and the learning rate x 1 / (1 - 0.9), the same step size
   sync        sync SGD over the N workers: a round's gradients averaged, one update
+--fresh is a control: every worker reloads the parameters after every update, so nothing is
+stale and the rule's other choices are measured alone.
 --global-batch makes --batch-size the global batch: each worker computes on batch / N and
 each update uses lr / N (async_sgd_cifar100.py's semantics).
 """
@@ -154,7 +157,7 @@ class Rule:
 RULES = {  # name: (momentum, correction, lr)
     "sync": ("sync", "none", "fixed"), "lookahead": ("lookahead", "none", "fixed"),
     "plain": ("global", "none", "fixed"), "dana": ("dana", "none", "fixed"),
-    "nesterov": ("nesterov", "none", "fixed"),
+    "nesterov": ("nesterov", "none", "fixed"), "nesterovdc": ("nesterov", "dc", "fixed"),
     "dcasgd": ("global", "dc", "fixed"), "danadc": ("dana", "dc", "fixed"),
     "ga": ("global", "ga", "fixed"), "danaga": ("dana", "ga", "fixed"),
     "stalelr": ("global", "none", "stale"), "nomomentum": ("global", "none", "fixed"),
@@ -199,6 +202,7 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
     for w in range(n_workers):
         load(workers[w], server_rule.reply(w))
     curve, losses = [], []
+    shuffler = torch.Generator().manual_seed(seed)
     for epoch in range(args.epochs):
         start = time.perf_counter()
         iters = []
@@ -208,7 +212,10 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
         torch.manual_seed(seed * 1000 + epoch)
         loss_sum, seen = 0.0, 0
         for _ in range(len(loaders[0])):
-            for w in range(n_workers):  # round robin: staleness n_workers - 1
+            # round robin: staleness n_workers - 1; --shuffle-order: 0 to 2 (n_workers - 1)
+            order = torch.randperm(n_workers, generator=shuffler).tolist() \
+                if args.shuffle_order and rule != "sync" else range(n_workers)
+            for w in order:
                 images, labels = next(iters[w])
                 model = workers[w]
                 model.train()
@@ -219,7 +226,8 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
                 grads = [p.grad.float().contiguous() for p in model.parameters()]
                 server_rule.apply(w, grads)
                 if rule != "sync":
-                    load(model, server_rule.reply(w))
+                    for v in (range(n_workers) if args.fresh else [w]):
+                        load(workers[v], server_rule.reply(v))
                 loss_sum += loss.item() * len(labels)
                 seen += len(labels)
             if rule == "sync":  # every rank continues from the round's one update
@@ -284,6 +292,12 @@ def main(argv=None):
     p.add_argument("--global-batch", action="store_true",
                    help="--batch-size is the global batch: each worker computes on batch / N "
                         "samples and each update's LR is --lr / N (sync: N ranks of batch / N)")
+    p.add_argument("--fresh", action="store_true",
+                   help="control: every worker reloads after every update (staleness 0, the "
+                        "same batches, learning rates and momentum buffers)")
+    p.add_argument("--shuffle-order", action="store_true",
+                   help="the workers take their turns in a new random order every round, so "
+                        "staleness varies from 0 to 2 (N - 1) around N - 1, as in real runs")
     p.add_argument("--train", type=int, default=5000)
     p.add_argument("--test", type=int, default=2000)
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True)
@@ -301,7 +315,8 @@ def main(argv=None):
                            ahead=args.ahead, dc_lambda=args.dc_lambda, ga_form=args.ga_form,
                            ga_beta=args.ga_beta, global_batch=args.global_batch,
                            ahead_gradients=args.ahead_gradients, spike=args.spike,
-                           lr_scale=args.lr_scale, warmup_epochs=args.warmup_epochs)
+                           lr_scale=args.lr_scale, warmup_epochs=args.warmup_epochs,
+                           fresh=args.fresh, shuffle_order=args.shuffle_order)
                 print(json.dumps(res), flush=True)
                 if args.json:
                     with open(args.json, "a") as f:

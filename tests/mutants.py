@@ -256,6 +256,16 @@ MUTANTS = [
            "self.staleness.append(0)",
            ("tests/test_distributed.py::test_async_sgd_workers_of_different_speeds_stop_cleanly",),
            "the server reports staleness 0 whatever the workers' speeds"),
+    Mutant("async-delay-compensation-sign-flipped", "async_sgd_cifar100.py",
+           "value=self.args.dc_lambda)", "value=-self.args.dc_lambda)",
+           (BUGS + "test_async_server_compensates_a_stale_gradient_for_the_updates_it_missed",),
+           "delay compensation pushes a stale gradient further from the current parameters"),
+    Mutant("async-delay-compensation-from-another-worker", "async_sgd_cifar100.py",
+           "torch.sub(self.theta, self.sent[worker], out=moved)",
+           "torch.sub(self.theta, self.sent[1], out=moved)",
+           (BUGS + "test_async_server_compensates_a_stale_gradient_for_the_updates_it_missed",),
+           "the server compensates a gradient for the updates since another worker was sent "
+           "parameters, not since its own worker was"),
 ]
 
 

@@ -417,3 +417,73 @@ def test_async_worker_visits_its_shard_in_a_new_order_each_epoch(async_messages)
     assert sorted(sum(second, [])) == list(range(16)), second
     assert len(set(sum(first, []))) == 12
     assert first != second[1:], (first, second)
+
+
+def _server(dc_lambda):
+    args = async_sgd_cifar100.parse_args(["--lr", "0.2", "--epochs", "2", "--warmup-epochs", "0",
+                                          "--dc-lambda", str(dc_lambda)])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    return async_sgd_cifar100.Server(model, 2, args, None, None, State(), 10, None, None), args
+
+
+def _gradient_message(gradient):
+    header = torch.tensor([async_sgd_cifar100.GRADIENT, 4.0, 1.0, 5.0])
+    return torch.cat([header, gradient])  # no BatchNorm buffers in this model
+
+
+def test_async_server_compensates_a_stale_gradient_for_the_updates_it_missed(monkeypatch):
+    """Two workers start from theta_0.  Worker 1's first gradient is not stale and is applied
+    as it is; worker 2's (computed at theta_0) is one update stale, and so is worker 1's second
+    (computed at theta_1, the reply to its first).  The server moves each to the current
+    parameters by delay compensation, g + lambda g^2 (theta - theta_sent) / sqrt(mean g^2),
+    then takes the Nesterov step with that worker's own buffer."""
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend", lambda tensor, dst: _Done())
+    server, args = _server(2.0)
+    theta0 = server.theta.clone()
+    g1, g2, g3 = (torch.randn_like(theta0) for _ in range(3))
+    decay = torch.tensor([args.weight_decay] * 12 + [0.0] * 3)  # the weight, not the bias
+    lr = server.lr()
+    server.apply(1, _gradient_message(g1.clone()))
+    server.reply(1, async_sgd_cifar100.CONTINUE)
+    v1 = g1 + decay * theta0
+    theta1 = theta0 - lr * (v1 + 0.9 * v1)
+    assert torch.allclose(server.theta, theta1, atol=1e-7)
+    lr = server.lr()
+    server.apply(2, _gradient_message(g2.clone()))
+    server.reply(2, async_sgd_cifar100.CONTINUE)
+    mean_square = 0.95 * 0.05 * g1 * g1 + 0.05 * g2 * g2
+    v2 = g2 + 2.0 * g2 * g2 * (theta1 - theta0) / (mean_square.sqrt() + 1e-7) + decay * theta1
+    theta2 = theta1 - lr * (v2 + 0.9 * v2)
+    assert torch.allclose(server.theta, theta2, atol=1e-6), (server.theta - theta2).abs().max()
+    lr = server.lr()
+    server.apply(1, _gradient_message(g3.clone()))
+    mean_square = 0.95 * mean_square + 0.05 * g3 * g3
+    d = g3 + 2.0 * g3 * g3 * (theta2 - theta1) / (mean_square.sqrt() + 1e-7) + decay * theta2
+    v1 = 0.9 * v1 + d
+    theta3 = theta2 - lr * (d + 0.9 * v1)
+    assert torch.allclose(server.theta, theta3, atol=1e-6), (server.theta - theta3).abs().max()
+    plain, _ = _server(0)  # --dc-lambda 0: the stale gradient as it came
+    plain.apply(1, _gradient_message(g1.clone()))
+    plain.apply(2, _gradient_message(g2.clone()))
+    assert (plain.theta - theta2).abs().max() > 1e-3
+
+
+def test_async_server_measures_staleness_from_the_parameters_it_last_sent(monkeypatch):
+    """A reply records what it sends as that worker's starting point; the other worker's stays
+    where it was (so its next gradient is compensated for both updates since)."""
+    sent = []
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
+                        lambda tensor, dst: sent.append((dst, tensor.clone())) or _Done())
+    server, _ = _server(2.0)
+    theta0 = server.theta.clone()
+    server.apply(1, _gradient_message(torch.randn_like(theta0)))
+    server.reply(1, async_sgd_cifar100.CONTINUE)
+    assert sent[-1][0] == 1 and torch.equal(sent[-1][1][1:], server.theta)
+    assert torch.equal(server.sent[1], server.theta) and not torch.equal(server.theta, theta0)
+    assert torch.equal(server.sent[2], theta0)
+
+
+class _Done:
+    def wait(self):
+        pass

@@ -1,0 +1,127 @@
+"""How much a stale gradient differs from a fresh one, and how much of the difference delay
+compensation's diagonal curvature estimates predict (a probe behind BENCHMARKS.md, "Async SGD
+under staleness").
+
+    python bench/drift.py --workers 2 --epochs 2
+
+Runs the simulator's `nesterov` rule (bench/staleness.py: round-robin workers, each gradient
+N - 1 updates stale) on the yardstick and, every --every updates after the first epoch, takes
+the batch a worker is about to send and computes its gradient twice in fp32: at the
+parameters the worker was sent (theta_sent, what it sends) and at the server's current ones
+(theta, what it should send), with the same dropout masks as the worker's own step.  It prints the size of the difference d against the gradient,
+and for each estimate e of d -- DC-ASGD's g * g * delta and g * g * delta / sqrt(mean g^2), and
+the Fisher diagonal mean(g^2) * delta, with delta = theta - theta_sent -- the best scale
+lambda = <d, e> / <e, e> and the share of d's squared norm that lambda * e explains.
+"""
+import argparse
+import copy
+import os
+import re
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import staleness  # noqa: E402  (sets sys.path for the repository)
+
+import torch  # noqa: E402
+
+from common import loader, training  # noqa: E402
+from common.model import build_model  # noqa: E402
+from common.process import Process  # noqa: E402
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def fp32_gradient(probe, model, params, images, labels, criterion):
+    """The gradient of this batch's loss at `params`, in fp32, with `model`'s BatchNorm state."""
+    probe.load_state_dict(model.state_dict())
+    staleness.load(probe, params)
+    probe.train()
+    probe.zero_grad()
+    criterion(probe(images.float().contiguous()), labels).backward()
+    return flat(p.grad for p in probe.parameters())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--every", type=int, default=25, help="probe every this many updates")
+    p.add_argument("--lr", type=float, default=0.15)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
+    n = a.workers
+    args = argparse.Namespace(lr=a.lr, momentum=0.9, weight_decay=5e-4, epochs=6,
+                              warmup_epochs=1.0, lr_scale=1.0, ahead_gradients=False)
+    train, _ = staleness.yardstick(6400, 2000, 0)
+    torch.manual_seed(a.seed)
+    device = torch.device("cpu")
+    proc = Process("drift", "", device, True)
+    server = build_model("hw4", len(train.classes), 0.1)
+    workers = [copy.deepcopy(server).to(memory_format=torch.channels_last) for _ in range(n)]
+    probe = copy.deepcopy(server)
+    mean, std = loader.normalization("cifar100")
+    loaders = [loader.DeviceLoader(train, 64 // n, device, train=True, mean=mean, std=std,
+                                   rank=i, world_size=n, seed=a.seed, channels_last=True)
+               for i in range(n)]
+    targs = staleness.trainer_args(args, "nesterov")
+    targs.lr /= n  # the global-batch scaling: N updates of lr / N
+    optimizer = torch.optim.SGD(training.param_groups(server, 5e-4), lr=targs.lr, momentum=0.9)
+    scheduler = training.warmup_cosine(optimizer, targs, len(loaders[0]) * n)
+    rule = staleness.Rule(server, scheduler, n, args, "nesterov", "dc", "fixed")
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    for w in range(n):
+        staleness.load(workers[w], rule.reply(w))
+    mean_square = torch.zeros(sum(q.numel() for q in rule.params))
+    print("update  epoch  lr/N     |d|/|g|   lambda, share explained:  g^2 delta  "
+          "g^2 delta/rms  mean(g^2) delta")
+    update = 0
+    for epoch in range(a.epochs):
+        iters = []
+        for shard in loaders:
+            shard.set_epoch(epoch)
+            iters.append(iter(shard))
+        for _ in range(len(loaders[0])):
+            for w in range(n):
+                images, labels = next(iters[w])
+                model = workers[w]
+                model.train()
+                if epoch > 0 and update % a.every == 0:
+                    rng = torch.get_rng_state()  # both probes and the step: the same dropout
+                    sent = rule.sent[w]
+                    stale = fp32_gradient(probe, model, sent, images, labels, criterion)
+                    torch.set_rng_state(rng)
+                    fresh = fp32_gradient(probe, model, rule.params, images, labels, criterion)
+                    torch.set_rng_state(rng)
+                    d = fresh - stale
+                    delta = flat(rule.params) - flat(sent)
+                    cells = []
+                    for e in (stale * stale * delta,
+                              stale * stale * delta / (mean_square.sqrt() + 1e-7),
+                              mean_square * delta):
+                        lam = (d @ e) / (e @ e)
+                        share = 1 - (d - lam * e).norm() ** 2 / d.norm() ** 2
+                        cells.append(f"{lam.item():9.3g} {100 * share.item():5.1f}%")
+                    ratio = (d.norm() / stale.norm()).item()
+                    print(f"{update:6d}  {epoch + 1:5d}  {rule.lr():.4f}  {ratio:7.2f}   "
+                          f"{'   '.join(cells)}", flush=True)
+                with proc.autocast():
+                    loss = criterion(model(images), labels)
+                model.zero_grad(set_to_none=True)
+                loss.backward()
+                grads = [q.grad.float().contiguous() for q in model.parameters()]
+                g = flat(grads)
+                mean_square.mul_(0.95).addcmul_(g, g, value=0.05)
+                rule.correction = "none"  # the script's rule; "dc" only kept `sent` above
+                rule.apply(w, grads)
+                rule.correction = "dc"
+                staleness.load(model, rule.reply(w))
+                update += 1
+
+
+if __name__ == "__main__":
+    main()
