@@ -136,11 +136,12 @@ def save_partial(results):
     os.replace(path + ".tmp", path)
 
 
-def run(quick, names=None, seeds=None, async_flags=()):
+def run(quick, names=None, seeds=None, async_flags=(), epochs=None):
     """The whole benchmark, or the runs called `names` (as in its table) over `seeds`, the
-    async runs with `async_flags` added (a rule's variant)."""
+    async runs with `async_flags` added (a rule's variant), for `epochs` if given."""
     cfg = dict(SMOKE_SIZES if SMOKE else (QUICK if quick else FULL))
     cfg["seeds"] = tuple(seeds or cfg["seeds"])
+    cfg["epochs"] = epochs or cfg["epochs"]
     cfg["async_flags"] = list(async_flags)
     chosen = [r for r in runs(cfg) if names is None or r[0] in names]
     if names is not None and len(chosen) != len(names):
@@ -196,11 +197,12 @@ if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the asyn
                    help='runs by their name in the table, e.g. "async, 2 workers"')
     p.add_argument("--seeds", nargs="+", type=int)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--epochs", type=int, help="instead of the benchmark's (a longer budget)")
     p.add_argument("--async-flags", default="", help='added to the async runs, e.g. '
                    '"--dc-lambda 0"')
     p.add_argument("--json", metavar="PATH", help="write the results here")
     a = p.parse_args()
-    result = run(a.quick, a.runs, a.seeds, a.async_flags.split())
+    result = run(a.quick, a.runs, a.seeds, a.async_flags.split(), a.epochs)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

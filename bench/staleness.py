@@ -4,12 +4,11 @@
     python bench/staleness.py --rule plain lookahead dcasgd --workers 4 --seeds 0 1 2
 
 N workers take turns (round robin), each computing its gradient on the parameters the server
-last sent *it*: every gradient is exactly N - 1 updates stale, as in the real parameter server
-with N workers of equal speed, but deterministic and without N processes on 2 cores.  Each
-worker keeps its own BatchNorm running statistics and the server evaluates with the latest
-worker's (async_sgd_cifar100.py averages the workers' latest).  The data, model, schedule and
-evaluation
-are the scripts' own (common/).  This is how the async update rule was chosen
+last sent *it*: every gradient is exactly N - 1 updates stale (--shuffle-order: N - 1 on
+average), as in the real parameter server with N workers of equal speed, but deterministic and
+without N processes on 2 cores.  Each worker keeps its own BatchNorm running statistics and
+the server evaluates with the latest worker's (async_sgd_cifar100.py averages the workers'
+latest).  The data, model, schedule and evaluation are the scripts' own (common/).  This is how the async update rule was chosen
 (BENCHMARKS.md, "Async SGD under staleness"); bench/convergence.py then checks the choice
 with the real script under mpirun.
 
@@ -31,7 +30,9 @@ Rules (the server's treatment of a gradient computed on parameters `tau` updates
   nomomentum  momentum 0 and the learning rate x 1 / (1 - 0.9), the same step size
   sync        sync SGD over the N workers: a round's gradients averaged, one update
 --fresh is a control: every worker reloads the parameters after every update, so nothing is
-stale and the rule's other choices are measured alone.
+stale and the rule's other choices are measured alone.  --shuffle-order gives the workers their
+turns in a new random order every round: staleness 0 to 2 (N - 1) around N - 1, as in real runs
+(a fixed order flatters delay compensation: BENCHMARKS.md).
 --global-batch makes --batch-size the global batch: each worker computes on batch / N and
 each update uses lr / N (async_sgd_cifar100.py's semantics).
 """
