@@ -186,14 +186,13 @@ class Server:
         self.version = state.extra.get("updates", state.epoch * updates_per_epoch)
         self.workers = list(self.v)
         self.replies = {w: torch.zeros(self.layout.reply_size) for w in self.workers}
-        # The parameters each worker computes on (every worker starts from these): its reply
-        # buffer, or for delay compensation on a GPU a copy on the device.
-        for w in self.workers:
-            self.replies[w][1:].copy_(self.theta)
-        self.sent = {w: self.replies[w][1:] for w in self.workers}
+        self.sent = {}  # delay compensation: the parameters each worker computes on
         if args.dc_lambda:
-            if self.theta.device.type != "cpu":
-                self.sent = {w: self.theta.clone() for w in self.workers}
+            for w in self.workers:  # every worker starts from theta
+                self.replies[w][1:].copy_(self.theta)
+                # its reply buffer is that copy; on a GPU, keep one on the device
+                self.sent[w] = self.replies[w][1:] if self.theta.device.type == "cpu" \
+                    else self.theta.clone()
             # its curvature estimate: the running mean of g * g (resumed if saved)
             mean_square = state.extra.get("mean_square")
             self.mean_square = (mean_square.to(self.theta.device) if mean_square is not None
@@ -243,8 +242,9 @@ class Server:
         out = self.replies[worker]
         out[0] = status
         out[1:].copy_(self.theta)
-        if self.sent[worker].data_ptr() != out[1:].data_ptr():  # delay compensation on a GPU
-            self.sent[worker].copy_(self.theta)
+        sent = self.sent.get(worker)
+        if sent is not None and sent.data_ptr() != out[1:].data_ptr():  # DC on a GPU
+            sent.copy_(self.theta)
         self.pending[worker] = dist.isend(out, dst=worker)
         self.sent_version[worker] = self.version
 

@@ -8,10 +8,11 @@ Runs the simulator's `nesterov` rule (bench/staleness.py: round-robin workers, e
 N - 1 updates stale) on the yardstick and, every --every updates after the first epoch, takes
 the batch a worker is about to send and computes its gradient twice in fp32: at the
 parameters the worker was sent (theta_sent, what it sends) and at the server's current ones
-(theta, what it should send), with the same dropout masks as the worker's own step.  It prints the size of the difference d against the gradient,
-and for each estimate e of d -- DC-ASGD's g * g * delta and g * g * delta / sqrt(mean g^2), and
-the Fisher diagonal mean(g^2) * delta, with delta = theta - theta_sent -- the best scale
-lambda = <d, e> / <e, e> and the share of d's squared norm that lambda * e explains.
+(theta, what it should send), with the same dropout masks as the worker's own step.  It prints
+the size of the difference d against the gradient, and for each estimate e of d -- DC-ASGD's
+g * g * delta and g * g * delta / sqrt(mean g^2), and the Fisher diagonal mean(g^2) * delta,
+with delta = theta - theta_sent -- the best scale lambda = <d, e> / <e, e> and the share of
+d's squared norm that lambda * e explains.
 """
 import argparse
 import copy
@@ -25,8 +26,6 @@ import staleness  # noqa: E402  (sets sys.path for the repository)
 
 import torch  # noqa: E402
 
-from common import loader, training  # noqa: E402
-from common.model import build_model  # noqa: E402
 from common.process import Process  # noqa: E402
 
 
@@ -56,26 +55,13 @@ def main(argv=None):
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
     n = a.workers
     args = argparse.Namespace(lr=a.lr, momentum=0.9, weight_decay=5e-4, epochs=6,
-                              warmup_epochs=1.0, lr_scale=1.0, ahead_gradients=False)
+                              warmup_epochs=1.0, batch_size=64, global_batch=True, amp=True,
+                              lr_scale=1.0, ahead_gradients=False)
     train, _ = staleness.yardstick(6400, 2000, 0)
-    torch.manual_seed(a.seed)
-    device = torch.device("cpu")
-    proc = Process("drift", "", device, True)
-    server = build_model("hw4", len(train.classes), 0.1)
-    workers = [copy.deepcopy(server).to(memory_format=torch.channels_last) for _ in range(n)]
-    probe = copy.deepcopy(server)
-    mean, std = loader.normalization("cifar100")
-    loaders = [loader.DeviceLoader(train, 64 // n, device, train=True, mean=mean, std=std,
-                                   rank=i, world_size=n, seed=a.seed, channels_last=True)
-               for i in range(n)]
-    targs = staleness.trainer_args(args, "nesterov")
-    targs.lr /= n  # the global-batch scaling: N updates of lr / N
-    optimizer = torch.optim.SGD(training.param_groups(server, 5e-4), lr=targs.lr, momentum=0.9)
-    scheduler = training.warmup_cosine(optimizer, targs, len(loaders[0]) * n)
-    rule = staleness.Rule(server, scheduler, n, args, "nesterov", "dc", "fixed")
+    server, workers, loaders, rule = staleness.set_up(train, "nesterov", n, a.seed, args)
+    probe = copy.deepcopy(server)  # the fp32 model both gradients are taken on
+    proc = Process("drift", "", torch.device("cpu"), True)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
-    for w in range(n):
-        staleness.load(workers[w], rule.reply(w))
     mean_square = torch.zeros(sum(q.numel() for q in rule.params))
     print("update  epoch  lr/N     |d|/|g|   lambda, share explained:  g^2 delta  "
           "g^2 delta/rms  mean(g^2) delta")
@@ -116,9 +102,7 @@ def main(argv=None):
                 grads = [q.grad.float().contiguous() for q in model.parameters()]
                 g = flat(grads)
                 mean_square.mul_(0.95).addcmul_(g, g, value=0.05)
-                rule.correction = "none"  # the script's rule; "dc" only kept `sent` above
                 rule.apply(w, grads)
-                rule.correction = "dc"
                 staleness.load(model, rule.reply(w))
                 update += 1
 

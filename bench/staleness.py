@@ -8,9 +8,9 @@ last sent *it*: every gradient is exactly N - 1 updates stale (--shuffle-order: 
 average), as in the real parameter server with N workers of equal speed, but deterministic and
 without N processes on 2 cores.  Each worker keeps its own BatchNorm running statistics and
 the server evaluates with the latest worker's (async_sgd_cifar100.py averages the workers'
-latest).  The data, model, schedule and evaluation are the scripts' own (common/).  This is how the async update rule was chosen
-(BENCHMARKS.md, "Async SGD under staleness"); bench/convergence.py then checks the choice
-with the real script under mpirun.
+latest).  The data, model, schedule and evaluation are the scripts' own (common/).  This is
+how the async update rule was chosen (BENCHMARKS.md, "Async SGD under staleness");
+bench/convergence.py then checks the choice with the real script under mpirun.
 
 Rules (the server's treatment of a gradient computed on parameters `tau` updates old):
   plain       apply it as it comes (SGD + Nesterov momentum, one buffer: the slides' Algorithm 2)
@@ -101,8 +101,7 @@ class Rule:
             out = [p - self.tau * self.lr() * vi for p, vi in zip(self.params, v)]
         else:
             out = [p.detach().clone() for p in self.params]
-        if self.correction != "none":
-            self.sent[worker] = out
+        self.sent[worker] = out  # what the corrections (and bench/drift.py) measure from
         return out
 
     @torch.no_grad()
@@ -173,11 +172,11 @@ def trainer_args(args, rule):
     return a
 
 
-def simulate(train, test, rule, n_workers, seed, args, log=print):
-    """Train with `n_workers` round-robin workers under `rule`; test accuracy per epoch."""
+def set_up(train, rule, n_workers, seed, args):
+    """The simulation's pieces: the server's model, the workers' copies (each loaded with the
+    parameters the server first sends it), their shards' loaders, and the server's rule."""
     torch.manual_seed(seed)
     device = torch.device("cpu")
-    proc = Process("staleness", "", device, args.amp)
     base = build_model("hw4", len(train.classes), 0.1)
     server = base.to(device)
     workers = [copy.deepcopy(base).to(memory_format=torch.channels_last) if args.amp
@@ -187,7 +186,6 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
     loaders = [loader.DeviceLoader(train, per_worker, device, train=True, mean=mean, std=std,
                                  rank=i, world_size=n_workers, seed=seed, channels_last=args.amp)
                for i in range(n_workers)]
-    test_loader = loader.DeviceLoader(test, 500, device, train=False, mean=mean, std=std)
     targs = trainer_args(args, rule)
     if args.global_batch and rule != "sync":  # N updates of batch B/N make one of batch B
         targs.lr /= n_workers
@@ -199,9 +197,19 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
     rule_args = argparse.Namespace(**vars(args))
     rule_args.momentum = targs.momentum
     server_rule = Rule(server, scheduler, n_workers, rule_args, momentum, correction, lr_rule)
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
     for w in range(n_workers):
         load(workers[w], server_rule.reply(w))
+    return server, workers, loaders, server_rule
+
+
+def simulate(train, test, rule, n_workers, seed, args, log=print):
+    """Train with `n_workers` round-robin workers under `rule`; test accuracy per epoch."""
+    server, workers, loaders, server_rule = set_up(train, rule, n_workers, seed, args)
+    device = torch.device("cpu")
+    proc = Process("staleness", "", device, args.amp)
+    mean, std = loader.normalization("cifar100")
+    test_loader = loader.DeviceLoader(test, 500, device, train=False, mean=mean, std=std)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
     curve, losses = [], []
     shuffler = torch.Generator().manual_seed(seed)
     for epoch in range(args.epochs):
