@@ -251,6 +251,11 @@ MUTANTS = [
            (BUGS + "test_async_worker_computes_on_the_parameters_the_server_sends",),
            "async workers never load the server's parameters: every gradient at the "
            "initial weights"),
+    Mutant("async-workers-share-one-shard", "async_sgd_cifar100.py",
+           "rank=comm.rank - 1, world_size=n_workers)",
+           "rank=0, world_size=n_workers)",
+           (BUGS + "test_async_workers_split_the_training_set_and_reshard_it_each_epoch",),
+           "every async worker trains on the first worker's shard: half the data never seen"),
     Mutant("async-staleness-never-counted", "async_sgd_cifar100.py",
            "self.staleness.append(self.version - self.sent_version[worker])",
            "self.staleness.append(0)",

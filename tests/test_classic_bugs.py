@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from common.launch import free_port
 from common.loader import DeviceLoader
 from common.model import HW4ResNet
 from common.process import Process
-from datagen import make_cifar100
+from datagen import make_cifar100, write_cifar100_pickles
 from helpers import ROOT, child_env
 
 TIMEOUT = 240
@@ -417,6 +418,59 @@ def test_async_worker_visits_its_shard_in_a_new_order_each_epoch(async_messages)
     assert sorted(sum(second, [])) == list(range(16)), second
     assert len(set(sum(first, []))) == 12
     assert first != second[1:], (first, second)
+
+
+WITH_TRAINING_BATCH_HOOK = r"""
+import atexit, json, os, runpy, sys, torch
+seen = []  # the centre pixel's red value of every training image this rank's model receives
+def hook(module, args):
+    if type(module).__name__ == "HW4ResNet" and module.training:
+        seen.extend(args[0][:, 0, 16, 16].tolist())
+def save():
+    with open(os.environ["BATCHES_OUT"] + "." + os.environ["OMPI_COMM_WORLD_RANK"], "w") as f:
+        json.dump(seen, f)
+atexit.register(save)
+torch.nn.modules.module.register_module_forward_pre_hook(hook)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_async_workers_split_the_training_set_and_reshard_it_each_epoch(tmp_path):
+    """mpirun -np 3 async_sgd_cifar100.py (2 workers), 2 epochs of 48 images of one flat colour
+    each (red = 5 x the image's index; a crop's shift or a flip keeps the centre pixel): in each
+    epoch the workers train on disjoint halves that together cover every image once, and the
+    halves change between epochs (one permutation of the whole set per epoch, then sharded)."""
+    n = 48
+    red = np.arange(n, dtype=np.uint8) * 5
+    images = np.stack([np.broadcast_to(np.array([r, 100, 200], np.uint8)[:, None, None],
+                                       (3, 32, 32)) for r in red]).reshape(n, 3072)
+    labels = np.arange(n) % 10
+    write_cifar100_pickles(tmp_path / "data", (images, labels), (images[:8], labels[:8]))
+    record = tmp_path / "batches"
+    result = subprocess.run(
+        [MPIRUN, "-np", "3", sys.executable, "-c", WITH_TRAINING_BATCH_HOOK,
+         "async_sgd_cifar100.py", "--data-dir", str(tmp_path / "data"),
+         "--out", str(tmp_path / "out"), "--epochs", "2", "--batch-size", "8",
+         "--device", "cpu", "--no-amp"],
+        cwd=ROOT, env=child_env(BATCHES_OUT=str(record)), capture_output=True, text=True,
+        timeout=TIMEOUT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    mean, std = data.CIFAR100_MEAN[0], data.CIFAR100_STD[0]
+
+    def indices(rank):  # each image's index, from its normalised red value
+        values = json.loads((tmp_path / f"batches.{rank}").read_text())
+        return [round((v * std + mean) * 255 / 5) for v in values]
+
+    assert indices(0) == []  # the server trains on nothing
+    worker1, worker2 = indices(1), indices(2)
+    assert len(worker1) == len(worker2) == 2 * n // 2  # 2 epochs of a half each
+    for epoch in range(2):
+        a = set(worker1[epoch * n // 2:(epoch + 1) * n // 2])
+        b = set(worker2[epoch * n // 2:(epoch + 1) * n // 2])
+        assert len(a) == len(b) == n // 2 and a.isdisjoint(b), (epoch, sorted(a), sorted(b))
+        assert a | b == set(range(n))
+    assert set(worker1[:n // 2]) != set(worker1[n // 2:])  # resharded, not only reordered
 
 
 def _server(dc_lambda):
