@@ -105,6 +105,8 @@ def summary(results):
         out[name] = {
             "final_mean": statistics.mean(finals), "final_min": min(finals),
             "final_max": max(finals), "finals": finals,
+            "final_train_loss": statistics.mean(rows[-1]["train_loss"]
+                                                for rows in per_seed.values()),
             "curve": [statistics.mean(rows[e]["test_acc"] for rows in per_seed.values())
                       for e in range(epochs)],
             "mean_staleness": statistics.mean(
@@ -136,6 +138,60 @@ def save_partial(results):
     os.replace(path + ".tmp", path)
 
 
+def report(cfg, results, walls, names):
+    """Print the table: per run, the accuracy per epoch and the final one (mean over seeds),
+    its spread, the final training loss, the gap to sync with its standard error, staleness."""
+    stats = summary(results)
+    references = {name: ref for name, _, _, ref in runs(cfg)}
+    header = ["run", *[f"epoch {e + 1}" for e in range(cfg["epochs"])], "final mean",
+              "min", "max", "seeds", "train loss", "gap to sync", "staleness mean", "max",
+              "wall s"]
+    lines = []
+    for name in names:
+        if name not in stats:
+            continue
+        s, ref = stats[name], references[name]
+        gap = s["final_mean"] - stats[ref]["final_mean"] if ref in stats else None
+        error = gap_error(s["finals"], stats[ref]["finals"]) if ref in stats else None
+        lines.append([name, *[round(a, 2) for a in s["curve"]], round(s["final_mean"], 2),
+                      round(s["final_min"], 2), round(s["final_max"], 2), len(s["finals"]),
+                      round(s["final_train_loss"], 3),
+                      None if gap is None else
+                      f"{gap:+.2f}{'' if error is None else f' ± {error:.2f}'} ({ref})",
+                      round(s["mean_staleness"], 2) if ref else None,
+                      int(s["max_staleness"]) if ref else None,
+                      round(statistics.mean(walls[name])) if walls.get(name) else None])
+    log(table(f"Convergence on the yardstick: test accuracy (%) per epoch, mean over "
+              f"{len(cfg['seeds'])} seed(s)", header, lines))
+
+
+def merge(paths):
+    """One table from several --json files of the same yardstick and recipe (more seeds, run
+    at different times): each run's seeds are pooled."""
+    same = ("n_train", "n_test", "epochs", "batch", "lr", "async_flags")
+    cfg, results = None, {}
+    for path in paths:
+        with open(path) as f:
+            part = json.load(f)
+        recipe = {k: part["config"].get(k, []) for k in same}
+        if cfg is None:
+            cfg, first = dict(part["config"]), recipe
+        elif recipe != first:
+            raise SystemExit(f"--merge: {path} ran {recipe}, {paths[0]} ran {first}; merge "
+                             "only runs of the same yardstick and recipe")
+        for name, run_ in part["runs"].items():
+            for seed, rows in run_["per_seed"].items():
+                if int(seed) in results.get(name, {}):
+                    raise SystemExit(f"--merge: {name}, seed {seed} is in two files "
+                                     f"(again in {path}); keep one")
+                results.setdefault(name, {})[int(seed)] = rows
+    cfg["seeds"] = sorted({seed for per_seed in results.values() for seed in per_seed})
+    report(cfg, results, {}, [name for name, *_ in runs(cfg)])
+    return {"config": cfg, "runs": {name: {"per_seed": {str(k): v for k, v in per_seed.items()}}
+                                    for name, per_seed in results.items()},
+            "summary": summary(results)}
+
+
 def run(quick, names=None, seeds=None, async_flags=(), epochs=None):
     """The whole benchmark, or the runs called `names` (as in its table) over `seeds`, the
     async runs with `async_flags` added (a rule's variant), for `epochs` if given."""
@@ -164,29 +220,11 @@ def run(quick, names=None, seeds=None, async_flags=(), epochs=None):
                 log(f"[5] {name}, seed {seed}: final test accuracy {rows[-1]['test_acc']:.2f}% "
                     f"({wall:.0f} s)")
                 save_partial(results)
-    stats = summary(results)
-    header = ["run", *[f"epoch {e + 1}" for e in range(cfg["epochs"])], "final mean",
-              "min", "max", "gap to sync", "staleness mean", "max", "wall s"]
-    lines = []
-    for name, _, _, ref in chosen:
-        if name not in stats:
-            continue
-        s = stats[name]
-        gap = s["final_mean"] - stats[ref]["final_mean"] if ref in stats else None
-        error = gap_error(s["finals"], stats[ref]["finals"]) if ref in stats else None
-        lines.append([name, *[round(a, 2) for a in s["curve"]], round(s["final_mean"], 2),
-                      round(s["final_min"], 2), round(s["final_max"], 2),
-                      None if gap is None else
-                      f"{gap:+.2f}{'' if error is None else f' ± {error:.2f}'} ({ref})",
-                      round(s["mean_staleness"], 2) if ref else None,
-                      int(s["max_staleness"]) if ref else None,
-                      round(statistics.mean(walls[name]))])
-    log(table(f"Convergence on the yardstick: test accuracy (%) per epoch, mean over "
-              f"{len(cfg['seeds'])} seed(s)", header, lines))
+    report(cfg, results, walls, [name for name, *_ in chosen])
     return {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
             "runs": {name: {"per_seed": {str(k): v for k, v in per_seed.items()}}
                      for name, per_seed in results.items()},
-            "summary": stats}
+            "summary": summary(results)}
 
 
 if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the async rule
@@ -201,8 +239,13 @@ if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the asyn
     p.add_argument("--async-flags", default="", help='added to the async runs, e.g. '
                    '"--dc-lambda 0"')
     p.add_argument("--json", metavar="PATH", help="write the results here")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="train nothing: one table from "
+                   "these --json files (the same recipe; more seeds, run at different times)")
     a = p.parse_args()
-    result = run(a.quick, a.runs, a.seeds, a.async_flags.split(), a.epochs)
+    if a.merge:
+        result = merge(a.merge)
+    else:
+        result = run(a.quick, a.runs, a.seeds, a.async_flags.split(), a.epochs)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
