@@ -54,6 +54,7 @@ def command(kind, processes, data_dir, out, cfg, seed):
     flags = ["--data-dir", data_dir, "--out", out, "--epochs", str(cfg["epochs"]),
              "--batch-size", str(cfg["batch"]), "--lr", str(cfg["lr"]), "--seed", str(seed),
              "--device", "cpu", "--fresh"]
+    flags += cfg.get("flags", [])
     if kind == "async":
         flags += cfg.get("async_flags", [])
     if kind == "one process":
@@ -168,7 +169,7 @@ def report(cfg, results, walls, names):
 def merge(paths):
     """One table from several --json files of the same yardstick and recipe (more seeds, run
     at different times): each run's seeds are pooled."""
-    same = ("n_train", "n_test", "epochs", "batch", "lr", "async_flags")
+    same = ("n_train", "n_test", "epochs", "batch", "lr", "flags", "async_flags")
     cfg, results = None, {}
     for path in paths:
         with open(path) as f:
@@ -192,13 +193,15 @@ def merge(paths):
             "summary": summary(results)}
 
 
-def run(quick, names=None, seeds=None, async_flags=(), epochs=None):
-    """The whole benchmark, or the runs called `names` (as in its table) over `seeds`, the
-    async runs with `async_flags` added (a rule's variant), for `epochs` if given."""
+def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=()):
+    """The whole benchmark, or the runs called `names` (as in its table) over `seeds`, every
+    run with `flags` added (another recipe) and the async runs with `async_flags` too (a
+    rule's variant), for `epochs` if given."""
     cfg = dict(SMOKE_SIZES if SMOKE else (QUICK if quick else FULL))
     cfg["seeds"] = tuple(seeds or cfg["seeds"])
     cfg["epochs"] = epochs or cfg["epochs"]
     cfg["async_flags"] = list(async_flags)
+    cfg["flags"] = list(flags)
     chosen = [r for r in runs(cfg) if names is None or r[0] in names]
     if names is not None and len(chosen) != len(names):
         raise SystemExit(f"--runs: choose among {[r[0] for r in runs(cfg)]}")
@@ -208,6 +211,7 @@ def run(quick, names=None, seeds=None, async_flags=(), epochs=None):
         log(f"[5] yardstick: {cfg['n_train']} training / {cfg['n_test']} test images, 100 "
             f"classes; {cfg['epochs']} epochs, global batch {cfg['batch']}, lr {cfg['lr']}, "
             f"seeds {list(cfg['seeds'])}" +
+            (f", every run with {' '.join(cfg['flags'])}" if cfg["flags"] else "") +
             (f", async runs with {' '.join(cfg['async_flags'])}" if cfg["async_flags"] else ""))
         for seed in cfg["seeds"]:  # every configuration once per seed, in turn
             for name, kind, processes, _ in chosen:
@@ -238,6 +242,7 @@ if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the asyn
     p.add_argument("--epochs", type=int, help="instead of the benchmark's (a longer budget)")
     p.add_argument("--async-flags", default="", help='added to the async runs, e.g. '
                    '"--dc-lambda 0"')
+    p.add_argument("--flags", default="", help='added to every run, e.g. "--momentum 0.95"')
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="train nothing: one table from "
                    "these --json files (the same recipe; more seeds, run at different times)")
@@ -245,7 +250,7 @@ if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the asyn
     if a.merge:
         result = merge(a.merge)
     else:
-        result = run(a.quick, a.runs, a.seeds, a.async_flags.split(), a.epochs)
+        result = run(a.quick, a.runs, a.seeds, a.async_flags.split(), a.epochs, a.flags.split())
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
