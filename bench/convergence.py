@@ -139,10 +139,10 @@ def save_partial(results):
     os.replace(path + ".tmp", path)
 
 
-def report(cfg, results, walls, names):
-    """Print the table: per run, the accuracy per epoch and the final one (mean over seeds),
-    its spread, the final training loss, the gap to sync with its standard error, staleness."""
-    stats = summary(results)
+def report(cfg, stats, walls, names):
+    """Print the table from `summary`'s `stats`: per run, the accuracy per epoch and the final
+    one (mean over seeds), its spread, the final training loss, the gap to sync with its
+    standard error, staleness."""
     references = {name: ref for name, _, _, ref in runs(cfg)}
     header = ["run", *[f"epoch {e + 1}" for e in range(cfg["epochs"])], "final mean",
               "min", "max", "seeds", "train loss", "gap to sync", "staleness mean", "max",
@@ -187,10 +187,11 @@ def merge(paths):
                                      f"(again in {path}); keep one")
                 results.setdefault(name, {})[int(seed)] = rows
     cfg["seeds"] = sorted({seed for per_seed in results.values() for seed in per_seed})
-    report(cfg, results, {}, [name for name, *_ in runs(cfg)])
+    stats = summary(results)
+    report(cfg, stats, {}, [name for name, *_ in runs(cfg)])
     return {"config": cfg, "runs": {name: {"per_seed": {str(k): v for k, v in per_seed.items()}}
                                     for name, per_seed in results.items()},
-            "summary": summary(results)}
+            "summary": stats}
 
 
 def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=()):
@@ -224,11 +225,12 @@ def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=()):
                 log(f"[5] {name}, seed {seed}: final test accuracy {rows[-1]['test_acc']:.2f}% "
                     f"({wall:.0f} s)")
                 save_partial(results)
-    report(cfg, results, walls, [name for name, *_ in chosen])
+    stats = summary(results)
+    report(cfg, stats, walls, [name for name, *_ in chosen])
     return {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
             "runs": {name: {"per_seed": {str(k): v for k, v in per_seed.items()}}
                      for name, per_seed in results.items()},
-            "summary": summary(results)}
+            "summary": stats}
 
 
 if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the async rule
