@@ -271,8 +271,17 @@ def test_training_and_test_batches_are_normalised_alike(tmp_path, pretrained, st
             torch.testing.assert_close(centre, expected, rtol=1e-4, atol=1e-4)
 
 
-WITH_INPUT_HOOK = r"""
-import atexit, json, os, runpy, sys, torch
+def with_forward_hook(hook):
+    """A `python -c` program that runs the script named by its first argument with `hook`'s
+    `hook(module, args)` as a forward pre-hook on every module, and its `save()` at exit."""
+    return ("import atexit, json, os, runpy, sys, torch\n" + hook +
+            "atexit.register(save)\n"
+            "torch.nn.modules.module.register_module_forward_pre_hook(hook)\n"
+            "sys.argv = sys.argv[1:]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
+WITH_INPUT_HOOK = with_forward_hook(r"""
 seen = {"sum": [0.0, 0.0, 0.0], "pixels": 0}
 def hook(module, args):  # every test batch the torchvision ResNet receives
     if type(module).__name__ == "ResNet" and not module.training:
@@ -282,11 +291,7 @@ def hook(module, args):  # every test batch the torchvision ResNet receives
 def save():
     with open(os.environ["INPUTS_OUT"], "w") as f:
         json.dump(seen, f)
-atexit.register(save)
-torch.nn.modules.module.register_module_forward_pre_hook(hook)
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+""")
 
 
 def test_pretrained_script_feeds_imagenet_normalised_images(tmp_path, resnet18_weights):
@@ -420,8 +425,7 @@ def test_async_worker_visits_its_shard_in_a_new_order_each_epoch(async_messages)
     assert first != second[1:], (first, second)
 
 
-WITH_TRAINING_BATCH_HOOK = r"""
-import atexit, json, os, runpy, sys, torch
+WITH_TRAINING_BATCH_HOOK = with_forward_hook(r"""
 seen = []  # the centre pixel's red value of every training image this rank's model receives
 def hook(module, args):
     if type(module).__name__ == "HW4ResNet" and module.training:
@@ -429,11 +433,7 @@ def hook(module, args):
 def save():
     with open(os.environ["BATCHES_OUT"] + "." + os.environ["OMPI_COMM_WORLD_RANK"], "w") as f:
         json.dump(seen, f)
-atexit.register(save)
-torch.nn.modules.module.register_module_forward_pre_hook(hook)
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+""")
 
 
 def test_async_workers_split_the_training_set_and_reshard_it_each_epoch(tmp_path):
