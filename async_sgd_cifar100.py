@@ -16,19 +16,21 @@ its parameters and receiving the gradient computed from them: about N - 1, one s
 
 The update rule is torch's Nesterov momentum with one buffer per worker (DANA, Hakimi et al.
 2019): worker i's gradient g moves only its own buffer, v_i <- mu v_i + g, and the parameters
-by torch's Nesterov step, theta <- theta - lr (g + mu v_i).  Nesterov's step already looks
-ahead along the momentum: written for the parameters before the look-ahead, it replies with
-those moved on along every worker's buffer, about where the next N updates take them, so each
-gradient is computed near where it will be applied.  With one worker it is
-torch.optim.SGD(nesterov=True), step for step (tests/test_learning.py).  --dc-lambda L (off by
-default) adds delay compensation (DC-ASGD, Zheng et al. 2017) before that step: the gradient,
-computed at the parameters theta_sent its worker was last sent, is moved to the current theta
-along a diagonal curvature estimate, g + L g * g * (theta - theta_sent) / sqrt(mean g^2) (mean
-g^2: a running mean over all workers' gradients).  Measured on the yardstick it helped with 2
-workers and not with 4 or 8, and it triples the server's work per update.  The slides' rule
-(one momentum buffer, each gradient applied as it comes) diverges on this network with
-gradients one update stale; BENCHMARKS.md ("Async SGD under staleness") has the rules tried
-and what each scored.
+by torch's Nesterov step, theta <- theta - lr (g + mu v_i) (lr: the update's rate, --lr / N on
+the schedule). With one worker it is torch.optim.SGD(nesterov=True), step for step
+(tests/test_learning.py). The reply looks ahead over the updates in flight: while a worker
+computes, the other workers' K = N - 1 updates (the expected staleness) move theta on, mostly
+along their momentum, by about lr v_j each. So the server replies with theta extrapolated K
+updates along the workers' mean buffer, theta - K lr mean_j(v_j) (--ahead K; 0 replies theta as
+it is), and each gradient is computed about where it will be applied (on the yardstick it wins
+back about half of what staleness cost: BENCHMARKS.md). --dc-lambda L (off by default) adds
+delay compensation (DC-ASGD, Zheng et al. 2017) before the step: the gradient, computed at the
+parameters theta_sent its worker was last sent, is moved to the current theta along a diagonal
+curvature estimate, g + L g * g * (theta - theta_sent) / sqrt(mean g^2) (mean g^2: a running
+mean over all workers' gradients). Measured on the yardstick it helped with 2 workers and not
+with 4 or 8, and it triples the server's work per update. The slides' rule (one momentum
+buffer, each gradient applied as it comes) diverges on this network with gradients one update
+stale; BENCHMARKS.md ("Async SGD under staleness") has the rules tried and what each scored.
 
 The server evaluates the test set once per epoch-equivalent of updates (training samples /
 global batch), so the curve has a point per epoch.  Each worker announces when its epochs are
@@ -183,6 +185,9 @@ class Server:
         if len(momentum) != n_workers:
             momentum = [torch.zeros_like(self.theta) for _ in range(n_workers)]
         self.v = {w + 1: m.to(self.theta.device) for w, m in enumerate(momentum)}
+        # The reply's extrapolation (--ahead K): the sum of the buffers, kept as they change
+        self.ahead = n_workers - 1 if args.ahead is None else args.ahead
+        self.v_total = torch.stack(list(self.v.values())).sum(0) if self.ahead else None
         self.version = state.extra.get("updates", state.epoch * updates_per_epoch)
         self.workers = list(self.v)
         self.replies = {w: torch.zeros(self.layout.reply_size) for w in self.workers}
@@ -225,7 +230,11 @@ class Server:
                               value=self.args.dc_lambda)
         gradient.addcmul_(self.decay, self.theta)  # g + weight decay * theta
         v = self.v[worker]
+        if self.ahead:
+            self.v_total.sub_(v)
         v.mul_(self.mu).add_(gradient)  # v_i <- mu v_i + g
+        if self.ahead:
+            self.v_total.add_(v)
         self.theta.sub_(gradient.add_(v, alpha=self.mu), alpha=self.lr())  # - lr (g + mu v_i)
         self.statistics[worker] = buffers.clone()  # its latest BatchNorm statistics
         self.staleness.append(self.version - self.sent_version[worker])
@@ -236,15 +245,20 @@ class Server:
                        self.totals[2] + samples]
 
     def reply(self, worker, status):
-        """Send `worker` the parameters to compute its next gradient on."""
+        """Send `worker` the parameters to compute its next gradient on: theta, extrapolated
+        over the --ahead updates expected before its gradient comes back."""
         if worker in self.pending:
             self.pending[worker].wait()  # the previous reply to it has left the buffer
         out = self.replies[worker]
         out[0] = status
-        out[1:].copy_(self.theta)
+        if self.ahead:  # where the next K updates are expected to take the parameters
+            torch.add(self.theta, self.v_total, alpha=-self.ahead * self.lr() / self.n_workers,
+                      out=out[1:])
+        else:
+            out[1:].copy_(self.theta)
         sent = self.sent.get(worker)
         if sent is not None and sent.data_ptr() != out[1:].data_ptr():  # DC on a GPU
-            sent.copy_(self.theta)
+            sent.copy_(out[1:])
         self.pending[worker] = dist.isend(out, dst=worker)
         self.sent_version[worker] = self.version
 
@@ -387,12 +401,19 @@ def parse_args(argv=None):
                    help="delay compensation's strength, lambda in DC-ASGD's g + lambda g*g*"
                         "(theta - theta_sent) / sqrt(mean g^2) (default %(default)g: off; 2 is "
                         "DC-ASGD's and helped with 2 workers, not with 4 or 8)")
+    g.add_argument("--ahead", type=float, default=None, metavar="K",
+                   help="reply with the parameters extrapolated K updates ahead along the "
+                        "workers' momentum, theta - K lr mean(v_j) (default: workers - 1, the "
+                        "expected staleness; 0: theta as it is)")
     parser.set_defaults(backend="gloo")
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    for flag, value in (("--dc-lambda", args.dc_lambda), ("--ahead", args.ahead)):
+        if value is not None and value < 0:
+            raise UserError(f"{flag} {value:g} is negative; use 0 (off) or more")
     launch = detect_launch()
     n_workers = launch.world_size - 1
     if n_workers < 1:
@@ -404,8 +425,6 @@ def main(argv=None):
     if args.batch_size < n_workers:
         raise UserError(f"--batch-size {args.batch_size} is smaller than the {n_workers} "
                         f"workers; use at least {n_workers} (it is the global batch)")
-    if args.dc_lambda < 0:
-        raise UserError(f"--dc-lambda {args.dc_lambda:g} is negative; use 0 (off) or more")
     per_worker_batch = args.batch_size // n_workers
     proc = process.start(args, SCRIPT, launch.rank, launch.world_size, launch.local_rank)
     folder = outputs.RunFolder(args, proc, TARGET if args.dataset == "cifar100" else None)

@@ -12,6 +12,8 @@ eigenvalues of the update as a linear map (numpy only, a second).
 * the script's rule (async_sgd_cifar100.py): N workers in turn, each update at lr / N, one
   Nesterov buffer per worker, the reply the parameters after the update; h is in the units
   of one sync step (lr), so one process is N = 1
+* the same with the reply extrapolated over the updates in flight (the default), and with
+  nothing stale (a control)
 * the same, with the step lr (a g + b v_old) for other splits between the fresh gradient and
   the momentum, all moving a constant gradient equally far in the long run
 """
@@ -49,8 +51,10 @@ def slides_rule(delay):
     return update
 
 
-def per_worker_rule(workers, a=1 + MU):
-    """One round of N updates; state [theta, v_1..v_N, held_1..held_N]."""
+def per_worker_rule(workers, a=1 + MU, ahead=0, fresh=False):
+    """One round of N updates; state [theta, v_1..v_N, held_1..held_N].  The reply is the
+    parameters after the update, extrapolated `ahead` updates along the buffers (the script's
+    --ahead); `fresh`: every worker holds the current parameters (nothing stale)."""
     b = 1 - a * (1 - MU)  # a + b / (1 - mu) = 1 / (1 - mu): the same long-run step
 
     def update(h):
@@ -60,10 +64,11 @@ def per_worker_rule(workers, a=1 + MU):
         for i in range(workers):
             v, held = 1 + i, 1 + workers + i
             step = eye.copy()
-            g = h * eye[held]  # the gradient at the parameters worker i holds
+            g = h * (eye[0] if fresh else eye[held])  # the gradient where worker i computes
             step[v] = MU * eye[v] + g
             step[0] = eye[0] - (a * g + b * eye[v]) / workers
-            step[held] = step[0]  # the reply: the parameters after the update
+            buffers = sum(step[1 + j] for j in range(workers))
+            step[held] = step[0] - ahead / workers * buffers / workers  # the reply
             round_map = step @ round_map
         return round_map
     return update
@@ -78,6 +83,14 @@ def main():
     edges = {workers: edge(per_worker_rule(workers)) for workers in (1, 2, 4, 8)}
     for workers, h in edges.items():
         print(f"  {workers} worker(s): {h:.3f}  ({h / edges[1]:.2f} of one process's)")
+    print("The same, the reply extrapolated N - 1 updates (the default, --ahead N - 1):")
+    for workers in (2, 4, 8):
+        h = edge(per_worker_rule(workers, ahead=workers - 1))
+        print(f"  {workers} workers: {h:.3f}  ({h / edges[1]:.2f} of one process's)")
+    print("The same with nothing stale (each gradient on the current parameters):")
+    for workers in (2, 4, 8):
+        h = edge(per_worker_rule(workers, fresh=True))
+        print(f"  {workers} workers: {h:.3f}  ({h / edges[1]:.2f} of one process's)")
     print("The same rule with the step lr (a g + b v_old), 4 workers:")
     for a, name in ((1.0, "heavy ball"), (1 + MU, "Nesterov"), (3.0, ""),
                     (1 / (1 - MU), "no momentum")):

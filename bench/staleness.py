@@ -20,7 +20,9 @@ Rules (the server's treatment of a gradient computed on parameters `tau` updates
               Hakimi et al. 2019; --spike adds spike compensation, --ahead-gradients a longer
               lookahead)
   nesterov    the rule async_sgd_cifar100.py applies: one buffer per worker, torch's Nesterov
-              step theta - lr (g + mu v_i), the reply the parameters (the look-ahead built in)
+              step theta - lr (g + mu v_i); the reply the parameters as they are (the script's
+              --ahead 0), or with --extra-ahead C extrapolated C lr sum_j v_j ahead (C = (N -
+              1) / N is the script's default, --ahead N - 1; lr is an update's rate, --lr / N)
   dcasgd      delay compensation (Zheng et al. 2017, DC-ASGD-a):
               g + lambda * g * g * (theta_now - theta_sent) / sqrt(mean g^2); danadc: with DANA;
               nesterovdc: with the script's rule (async_sgd_cifar100.py --dc-lambda 2)
@@ -79,6 +81,7 @@ class Rule:
         self.v = {w: zeros() for w in range(n_workers)} if self.per_worker else {0: zeros()}
         self.total = zeros()  # dana: the sum of every worker's buffer
         self.sent = {}
+        self.smooth = zeros()  # --ahead-smooth
         if correction == "dc":
             self.mean_square = zeros()
         if correction == "ga":
@@ -99,6 +102,18 @@ class Rule:
         elif self.style == "lookahead":  # tau updates ahead at the current velocity
             v = self.v[0]
             out = [p - self.tau * self.lr() * vi for p, vi in zip(self.params, v)]
+        elif self.style == "nesterov" and self.args.extra_ahead:
+            # --extra-ahead C: further along every worker's buffer, C * (lr / N) * sum_j v_j
+            # (C = (N - 1) / N: the momentum's share of the N - 1 updates in flight)
+            lr = self.lr() * self.args.lr_scale * self.args.extra_ahead
+            out = [p.detach().clone() for p in self.params]
+            if self.args.ahead_smooth:  # along a running mean of the sum (--ahead-smooth)
+                for o, u in zip(out, self.smooth):
+                    o.sub_(u, alpha=lr)
+            else:
+                for w_buffers in self.v.values():
+                    for o, vi in zip(out, w_buffers):
+                        o.sub_(vi, alpha=lr)
         else:
             out = [p.detach().clone() for p in self.params]
         self.sent[worker] = out  # what the corrections (and bench/drift.py) measure from
@@ -151,6 +166,10 @@ class Rule:
             else:
                 for c, m in zip(self.step_size, moved):
                     c.mul_(self.args.ga_beta).add_(m, alpha=1 - self.args.ga_beta)
+        if self.args.ahead_smooth:  # the running mean of the sum of the buffers
+            beta = self.args.ahead_smooth
+            for i, u in enumerate(self.smooth):
+                u.mul_(beta).add_(sum(self.v[w][i] for w in self.v), alpha=1 - beta)
         self.scheduler.step()
 
 
@@ -294,6 +313,11 @@ def main(argv=None):
                    help="dana: spike compensation of a gradient one own-update late")
     p.add_argument("--ahead-gradients", action="store_true",
                    help="dana: look ahead over the other workers' expected gradients too")
+    p.add_argument("--extra-ahead", type=float, default=0.0, metavar="C",
+                   help="nesterov: reply C * (lr / N) * sum of the buffers further ahead")
+    p.add_argument("--ahead-smooth", type=float, default=0.0, metavar="BETA",
+                   help="--extra-ahead along a running mean (decay BETA per update) of the sum "
+                        "of the buffers instead of the sum itself")
     p.add_argument("--ga-form", choices=["max", "plus"], default="max",
                    help="gap-aware divisor: max(1, gap) or 1 + gap (gap in typical steps)")
     p.add_argument("--ga-beta", type=float, default=0.99,
@@ -324,8 +348,10 @@ def main(argv=None):
                            ahead=args.ahead, dc_lambda=args.dc_lambda, ga_form=args.ga_form,
                            ga_beta=args.ga_beta, global_batch=args.global_batch,
                            ahead_gradients=args.ahead_gradients, spike=args.spike,
-                           lr_scale=args.lr_scale, warmup_epochs=args.warmup_epochs,
-                           fresh=args.fresh, shuffle_order=args.shuffle_order)
+                           lr_scale=args.lr_scale, extra_ahead=args.extra_ahead,
+                           ahead_smooth=args.ahead_smooth,
+                           warmup_epochs=args.warmup_epochs, fresh=args.fresh,
+                           shuffle_order=args.shuffle_order)
                 print(json.dumps(res), flush=True)
                 if args.json:
                     with open(args.json, "a") as f:

@@ -271,6 +271,19 @@ MUTANTS = [
            (BUGS + "test_async_server_compensates_a_stale_gradient_for_the_updates_it_missed",),
            "the server compensates a gradient for the updates since another worker was sent "
            "parameters, not since its own worker was"),
+    Mutant("async-reply-not-extrapolated", "async_sgd_cifar100.py",
+           "self.ahead = n_workers - 1 if args.ahead is None else args.ahead",
+           "self.ahead = 0 if args.ahead is None else args.ahead",
+           (BUGS + "test_async_server_replies_with_the_parameters_extrapolated_over_the_updates_"
+                   "in_flight",),
+           "the server replies with its parameters as they are: each gradient is computed "
+           "where the parameters were N - 1 updates before it is applied"),
+    Mutant("async-reply-extrapolated-backwards", "async_sgd_cifar100.py",
+           "alpha=-self.ahead * self.lr() / self.n_workers,",
+           "alpha=self.ahead * self.lr() / self.n_workers,",
+           (BUGS + "test_async_server_replies_with_the_parameters_extrapolated_over_the_updates_"
+                   "in_flight",),
+           "the reply is extrapolated against the momentum, away from where the parameters go"),
 ]
 
 

@@ -473,12 +473,13 @@ def test_async_workers_split_the_training_set_and_reshard_it_each_epoch(tmp_path
     assert set(worker1[:n // 2]) != set(worker1[n // 2:])  # resharded, not only reordered
 
 
-def _server(dc_lambda):
+def _server(dc_lambda, *flags, workers=2):
     args = async_sgd_cifar100.parse_args(["--lr", "0.2", "--epochs", "2", "--warmup-epochs", "0",
-                                          "--dc-lambda", str(dc_lambda)])
+                                          "--dc-lambda", str(dc_lambda), *flags])
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3))
-    return async_sgd_cifar100.Server(model, 2, args, None, None, State(), 10, None, None), args
+    return (async_sgd_cifar100.Server(model, workers, args, None, None, State(), 10, None, None),
+            args)
 
 
 def _gradient_message(gradient):
@@ -493,7 +494,7 @@ def test_async_server_compensates_a_stale_gradient_for_the_updates_it_missed(mon
     parameters by delay compensation, g + lambda g^2 (theta - theta_sent) / sqrt(mean g^2),
     then takes the Nesterov step with that worker's own buffer."""
     monkeypatch.setattr(async_sgd_cifar100.dist, "isend", lambda tensor, dst: _Done())
-    server, args = _server(2.0)
+    server, args = _server(2.0, "--ahead", "0")  # replies: the parameters as they are
     theta0 = server.theta.clone()
     g1, g2, g3 = (torch.randn_like(theta0) for _ in range(3))
     decay = torch.tensor([args.weight_decay] * 12 + [0.0] * 3)  # the weight, not the bias
@@ -517,7 +518,7 @@ def test_async_server_compensates_a_stale_gradient_for_the_updates_it_missed(mon
     v1 = 0.9 * v1 + d
     theta3 = theta2 - lr * (d + 0.9 * v1)
     assert torch.allclose(server.theta, theta3, atol=1e-6), (server.theta - theta3).abs().max()
-    plain, _ = _server(0)  # --dc-lambda 0: the stale gradient as it came
+    plain, _ = _server(0, "--ahead", "0")  # --dc-lambda 0: the stale gradient as it came
     plain.apply(1, _gradient_message(g1.clone()))
     plain.apply(2, _gradient_message(g2.clone()))
     assert (plain.theta - theta2).abs().max() > 1e-3
@@ -533,9 +534,43 @@ def test_async_server_measures_staleness_from_the_parameters_it_last_sent(monkey
     theta0 = server.theta.clone()
     server.apply(1, _gradient_message(torch.randn_like(theta0)))
     server.reply(1, async_sgd_cifar100.CONTINUE)
-    assert sent[-1][0] == 1 and torch.equal(sent[-1][1][1:], server.theta)
-    assert torch.equal(server.sent[1], server.theta) and not torch.equal(server.theta, theta0)
+    assert sent[-1][0] == 1 and torch.equal(server.sent[1], sent[-1][1][1:])
+    assert not torch.equal(server.sent[1], theta0)
     assert torch.equal(server.sent[2], theta0)
+
+
+def test_async_server_replies_with_the_parameters_extrapolated_over_the_updates_in_flight(
+        monkeypatch):
+    """With N workers a gradient arrives about N - 1 updates after its parameters left, and
+    meanwhile the parameters move mostly along the momentum (lr / N * v_j per update, v_j
+    worker j's buffer).  So the reply is theta - K * lr / N * mean_j v_j, K = N - 1 by default
+    (--ahead K; 0: theta as it is); the server's own theta is not moved by it."""
+    sent = []
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
+                        lambda tensor, dst: sent.append((dst, tensor.clone())) or _Done())
+    for workers, flags, ahead in ((2, (), 1.0), (4, (), 3.0), (4, ("--ahead", "5"), 5.0),
+                                  (4, ("--ahead", "0"), 0.0)):
+        server, args = _server(0, *flags, workers=workers)
+        reference, _ = _server(0, "--ahead", "0", workers=workers)
+        decay = torch.tensor([args.weight_decay] * 12 + [0.0] * 3)
+        v = torch.zeros(workers, 15)
+        for step, worker in enumerate([1, 2, 1, workers]):
+            g = torch.randn(15)
+            theta = server.theta.clone()
+            lr = server.lr()
+            server.apply(worker, _gradient_message(g.clone()))
+            reference.apply(worker, _gradient_message(g.clone()))
+            d = g + decay * theta
+            v[worker - 1] = 0.9 * v[worker - 1] + d
+            assert torch.allclose(server.theta, theta - lr * (d + 0.9 * v[worker - 1]),
+                                  atol=1e-6)
+            assert torch.equal(server.theta, reference.theta)  # the rule itself is unchanged
+            server.reply(worker, async_sgd_cifar100.CONTINUE)
+            expected = server.theta - ahead * server.lr() / workers * v.sum(0)
+            assert sent[-1][0] == worker
+            assert torch.allclose(sent[-1][1][1:], expected, atol=1e-6), (workers, step)
+            if step:
+                assert ahead == 0 or (sent[-1][1][1:] - server.theta).abs().max() > 1e-4
 
 
 class _Done:

@@ -425,6 +425,14 @@ def test_impossible_flags(tmp_path, cifar_dir, flags, words):
     one_error_line(result, *words)
 
 
+@pytest.mark.parametrize("flag", ["--ahead", "--dc-lambda"])
+def test_negative_async_rule_flags(tmp_path, cifar_dir, flag):
+    result = run(cmd("async_sgd_cifar100.py", cifar_dir, tmp_path / "out", flag, "-1"))
+    assert result.returncode == 2
+    one_error_line(result, f"{flag} -1 is negative")
+    assert not (tmp_path / "out").exists()
+
+
 def test_batch_smaller_than_world_size(cifar_dir, tmp_path):
     out = tmp_path / "tiny-batch"
     args = cmd("sync_sgd_cifar100.py", cifar_dir, out, "--batch-size", "1")
