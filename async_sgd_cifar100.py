@@ -22,15 +22,18 @@ the schedule). With one worker it is torch.optim.SGD(nesterov=True), step for st
 computes, the other workers' K = N - 1 updates (the expected staleness) move theta on, mostly
 along their momentum, by about lr v_j each. So the server replies with theta extrapolated K
 updates along the workers' mean buffer, theta - K lr mean_j(v_j) (--ahead K; 0 replies theta as
-it is), and each gradient is computed about where it will be applied (on the yardstick it wins
-back about half of what staleness cost: BENCHMARKS.md). --dc-lambda L (off by default) adds
-delay compensation (DC-ASGD, Zheng et al. 2017) before the step: the gradient, computed at the
-parameters theta_sent its worker was last sent, is moved to the current theta along a diagonal
-curvature estimate, g + L g * g * (theta - theta_sent) / sqrt(mean g^2) (mean g^2: a running
-mean over all workers' gradients). Measured on the yardstick it helped with 2 workers and not
-with 4 or 8, and it triples the server's work per update. The slides' rule (one momentum
-buffer, each gradient applied as it comes) diverges on this network with gradients one update
-stale; BENCHMARKS.md ("Async SGD under staleness") has the rules tried and what each scored.
+it is), and each gradient is computed about where it will be applied (torch's step looks one
+sync step ahead, as in sync SGD, not over the updates in flight). On the yardstick this halves
+what staleness costs with 2 workers, and wins back less with 4 and 8 (BENCHMARKS.md).
+--dc-lambda L (off by default) adds delay compensation (DC-ASGD, Zheng et al. 2017) before the
+step: the gradient, computed at the parameters theta_sent its worker was last sent, is moved to
+the current theta along a diagonal curvature estimate, g + L g * g * (theta - theta_sent) /
+sqrt(mean g^2) (mean g^2: a running mean over all workers' gradients). Measured on the
+yardstick it helped with 2 workers and not with 4 or 8 (with the reply not extrapolated; on top
+of the extrapolation, simulated, it does not help), and it triples the server's work per
+update. The slides' rule (one momentum buffer, each gradient applied as it comes) diverges on
+this network with gradients one update stale; BENCHMARKS.md ("Async SGD under staleness") has
+the rules tried and what each scored.
 
 The server evaluates the test set once per epoch-equivalent of updates (training samples /
 global batch), so the curve has a point per epoch.  Each worker announces when its epochs are
@@ -400,7 +403,8 @@ def parse_args(argv=None):
     g.add_argument("--dc-lambda", type=float, default=DC_LAMBDA, metavar="LAMBDA",
                    help="delay compensation's strength, lambda in DC-ASGD's g + lambda g*g*"
                         "(theta - theta_sent) / sqrt(mean g^2) (default %(default)g: off; 2 is "
-                        "DC-ASGD's and helped with 2 workers, not with 4 or 8)")
+                        "DC-ASGD's and helped with 2 workers, not with 4 or 8, nor on top of "
+                        "--ahead in the simulator)")
     g.add_argument("--ahead", type=float, default=None, metavar="K",
                    help="reply with the parameters extrapolated K updates ahead along the "
                         "workers' momentum, theta - K lr mean(v_j) (default: workers - 1, the "
