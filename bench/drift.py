@@ -4,8 +4,9 @@ under staleness").
 
     python bench/drift.py --workers 2 --epochs 2
 
-Runs the simulator's `nesterov` rule (bench/staleness.py: round-robin workers, each gradient
-N - 1 updates stale) on the yardstick and, every --every updates after the first epoch, takes
+Runs the simulator's `nesterov` rule with the reply not extrapolated (bench/staleness.py:
+round-robin workers, each gradient N - 1 updates stale; the script's --ahead 0, the rule the
+quoted figures were taken with) on the yardstick and, every --every updates after the first epoch, takes
 the batch a worker is about to send and computes its gradient twice in fp32: at the
 parameters the worker was sent (theta_sent, what it sends) and at the server's current ones
 (theta, what it should send), with the same dropout masks as the worker's own step.  It prints
@@ -56,7 +57,8 @@ def main(argv=None):
     n = a.workers
     args = argparse.Namespace(lr=a.lr, momentum=0.9, weight_decay=5e-4, epochs=6,
                               warmup_epochs=1.0, batch_size=64, global_batch=True, amp=True,
-                              lr_scale=1.0, ahead_gradients=False)
+                              lr_scale=1.0, ahead_gradients=False, extra_ahead=0.0,
+                              ahead_smooth=0.0)  # the reply as it was (figures quoted)
     train, _ = staleness.yardstick(6400, 2000, 0)
     server, workers, loaders, rule = staleness.set_up(train, "nesterov", n, a.seed, args)
     probe = copy.deepcopy(server)  # the fp32 model both gradients are taken on

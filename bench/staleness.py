@@ -81,7 +81,7 @@ class Rule:
         self.v = {w: zeros() for w in range(n_workers)} if self.per_worker else {0: zeros()}
         self.total = zeros()  # dana: the sum of every worker's buffer
         self.sent = {}
-        self.smooth = zeros()  # --ahead-smooth
+        self.smooth = zeros() if args.ahead_smooth else None  # --ahead-smooth
         if correction == "dc":
             self.mean_square = zeros()
         if correction == "ga":
