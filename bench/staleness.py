@@ -22,7 +22,8 @@ Rules (the server's treatment of a gradient computed on parameters `tau` updates
   nesterov    the rule async_sgd_cifar100.py applies: one buffer per worker, torch's Nesterov
               step theta - lr (g + mu v_i); the reply the parameters as they are (the script's
               --ahead 0), or with --extra-ahead C extrapolated C lr sum_j v_j ahead (C = (N -
-              1) / N is the script's default, --ahead N - 1; lr is an update's rate, --lr / N)
+              1) / N is the script's default, --ahead N - 1; lr is an update's rate, --lr / N;
+              --ahead-per-worker predicts each update in flight from its worker's own buffer)
   dcasgd      delay compensation (Zheng et al. 2017, DC-ASGD-a):
               g + lambda * g * g * (theta_now - theta_sent) / sqrt(mean g^2); danadc: with DANA;
               nesterovdc: with the script's rule (async_sgd_cifar100.py --dc-lambda 2)
@@ -110,6 +111,17 @@ class Rule:
             if self.args.ahead_smooth:  # along a running mean of the sum (--ahead-smooth)
                 for o, u in zip(out, self.smooth):
                     o.sub_(u, alpha=lr)
+            elif self.args.ahead_per_worker:
+                # --ahead-per-worker: each other worker's next update predicted from its own
+                # buffer, mu^2 v_j + (1 - mu^2) mean(v) (its gradient unknown: the mean's)
+                n, mu2 = len(self.v), self.mu ** 2
+                step = self.lr() * self.args.lr_scale
+                others = mu2 + (1 - mu2) * self.args.extra_ahead  # on every buffer (sum)
+                for w_buffers in self.v.values():
+                    for o, vi in zip(out, w_buffers):
+                        o.sub_(vi, alpha=step * others)
+                for o, vi in zip(out, self.v[worker]):  # not its own: it is not in flight
+                    o.add_(vi, alpha=step * mu2)
             else:
                 for w_buffers in self.v.values():
                     for o, vi in zip(out, w_buffers):
@@ -315,6 +327,9 @@ def main(argv=None):
                    help="dana: look ahead over the other workers' expected gradients too")
     p.add_argument("--extra-ahead", type=float, default=0.0, metavar="C",
                    help="nesterov: reply C * (lr / N) * sum of the buffers further ahead")
+    p.add_argument("--ahead-per-worker", action="store_true",
+                   help="with --extra-ahead: predict each in-flight update from its worker's "
+                        "own buffer (mu^2 v_j + (1 - mu^2) mean v) instead of the mean buffer")
     p.add_argument("--ahead-smooth", type=float, default=0.0, metavar="BETA",
                    help="--extra-ahead along a running mean (decay BETA per update) of the sum "
                         "of the buffers instead of the sum itself")
@@ -349,7 +364,7 @@ def main(argv=None):
                            ga_beta=args.ga_beta, global_batch=args.global_batch,
                            ahead_gradients=args.ahead_gradients, spike=args.spike,
                            lr_scale=args.lr_scale, extra_ahead=args.extra_ahead,
-                           ahead_smooth=args.ahead_smooth,
+                           ahead_smooth=args.ahead_smooth, ahead_per_worker=args.ahead_per_worker,
                            warmup_epochs=args.warmup_epochs, fresh=args.fresh,
                            shuffle_order=args.shuffle_order)
                 print(json.dumps(res), flush=True)
