@@ -6,10 +6,10 @@ under staleness").
 
 Runs the simulator's `nesterov` rule with the reply not extrapolated (bench/staleness.py:
 round-robin workers, each gradient N - 1 updates stale; the script's --ahead 0, the rule the
-quoted figures were taken with) on the yardstick and, every --every updates after the first epoch, takes
-the batch a worker is about to send and computes its gradient twice in fp32: at the
-parameters the worker was sent (theta_sent, what it sends) and at the server's current ones
-(theta, what it should send), with the same dropout masks as the worker's own step.  It prints
+quoted figures were taken with) on the yardstick and, every --every updates after the first
+epoch, takes the batch a worker is about to send and computes its gradient twice in fp32: at
+the parameters the worker was sent (theta_sent, what it sends) and at the server's current
+ones (theta, what it should send), with the same dropout masks as the worker's own step.  It prints
 the size of the difference d against the gradient, and for each estimate e of d -- DC-ASGD's
 g * g * delta and g * g * delta / sqrt(mean g^2), and the Fisher diagonal mean(g^2) * delta,
 with delta = theta - theta_sent -- the best scale lambda = <d, e> / <e, e> and the share of

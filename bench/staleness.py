@@ -114,7 +114,7 @@ class Rule:
             elif self.args.ahead_per_worker:
                 # --ahead-per-worker: each other worker's next update predicted from its own
                 # buffer, mu^2 v_j + (1 - mu^2) mean(v) (its gradient unknown: the mean's)
-                n, mu2 = len(self.v), self.mu ** 2
+                mu2 = self.mu ** 2
                 step = self.lr() * self.args.lr_scale
                 others = mu2 + (1 - mu2) * self.args.extra_ahead  # on every buffer (sum)
                 for w_buffers in self.v.values():
