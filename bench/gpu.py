@@ -7,7 +7,8 @@
    counted by torch.utils.flop_counter.FlopCounterMode).
 2. Options, each on a batch already on the GPU (forward + backward + the scripts' optimizer
    step, fused SGD as in the scripts): fp32 (TF32), channels_last, bf16 autocast, both, the
-   foreach SGD kernel instead of the fused one, batch 256 and 512, torch.compile, and torch.compile(mode="reduce-overhead") (CUDA graphs).
+   foreach SGD kernel instead of the fused one, batch 256 and 512, torch.compile, and
+   torch.compile(mode="reduce-overhead") (CUDA graphs).
 
 Without CUDA the benchmark is skipped with a message.  `BENCH_GPU_DRYRUN=1` runs the same
 code on the CPU with tiny sizes, to check it where no GPU is available (numbers meaningless).
