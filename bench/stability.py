@@ -16,6 +16,12 @@ eigenvalues of the update as a linear map (numpy only, a second).
   nothing stale (a control)
 * the same, with the step lr (a g + b v_old) for other splits between the fresh gradient and
   the momentum, all moving a constant gradient equally far in the long run
+
+Then the noise floor: with independent noise on every gradient (batch B / N: N times one
+process's variance), the stationary variance of the parameters the gradients are computed on,
+along a direction with a given h, relative to one process's (the loss the noise keeps SGD at).
+Along the bulk of directions (small h) it orders the rules as the simulator's accuracies do
+(BENCHMARKS.md), and it bounds what any reply of this family can win.
 """
 import numpy as np
 
@@ -51,27 +57,61 @@ def slides_rule(delay):
     return update
 
 
-def per_worker_rule(workers, a=1 + MU, ahead=0, fresh=False):
-    """One round of N updates; state [theta, v_1..v_N, held_1..held_N].  The reply is the
-    parameters after the update, extrapolated `ahead` updates along the buffers (the script's
-    --ahead); `fresh`: every worker holds the current parameters (nothing stale)."""
+def per_worker_steps(workers, h, a=1 + MU, ahead=0, fresh=False):
+    """The N updates of one round as matrices on the state [theta, v_1..v_N, held_1..held_N]
+    (held_i: the parameters worker i computes on), and for each update the direction in which
+    its gradient's noise enters the state (wherever g does).  The reply is the parameters after
+    the update, extrapolated `ahead` updates along the buffers (the script's --ahead); `fresh`:
+    every worker computes on the current parameters (nothing stale)."""
     b = 1 - a * (1 - MU)  # a + b / (1 - mu) = 1 / (1 - mu): the same long-run step
+    n = 1 + 2 * workers
+    eye = np.eye(n)
+    steps, noise = [], []
+    for i in range(workers):
+        v, held = 1 + i, 1 + workers + i
+        step = eye.copy()
+        g = h * (eye[0] if fresh else eye[held])  # the gradient where worker i computes
+        step[v] = MU * eye[v] + g
+        step[0] = eye[0] - (a * g + b * eye[v]) / workers
+        buffers = sum(step[1 + j] for j in range(workers))
+        step[held] = step[0] - ahead / workers * buffers / workers  # the reply
+        enters = np.zeros(n)  # d(state) / d(g), row by row as above
+        enters[v], enters[0] = 1.0, -a / workers
+        enters[held] = enters[0] - ahead / workers / workers
+        steps.append(step)
+        noise.append(enters)
+    return steps, noise
 
+
+def per_worker_rule(workers, a=1 + MU, ahead=0, fresh=False):
+    """One round of N updates of the script's rule, as one matrix (a function of h)."""
     def update(h):
-        n = 1 + 2 * workers
-        eye = np.eye(n)
-        round_map = eye.copy()
-        for i in range(workers):
-            v, held = 1 + i, 1 + workers + i
-            step = eye.copy()
-            g = h * (eye[0] if fresh else eye[held])  # the gradient where worker i computes
-            step[v] = MU * eye[v] + g
-            step[0] = eye[0] - (a * g + b * eye[v]) / workers
-            buffers = sum(step[1 + j] for j in range(workers))
-            step[held] = step[0] - ahead / workers * buffers / workers  # the reply
+        round_map = np.eye(1 + 2 * workers)
+        for step in per_worker_steps(workers, h, a, ahead, fresh)[0]:
             round_map = step @ round_map
         return round_map
     return update
+
+
+def noise_floor(workers, h, a=1 + MU, ahead=0, fresh=False):
+    """The stationary variance of the parameters the gradients are computed on, when each
+    gradient carries independent noise of N times one process's variance (batch B / N): the
+    loss SGD's noise keeps it at along a direction of curvature lambda (h = lr lambda)."""
+    steps, noise = per_worker_steps(workers, h, a, ahead, fresh)
+    n = 1 + 2 * workers
+    round_map, q = np.eye(n), np.zeros((n, n))
+    for step in steps:
+        round_map = step @ round_map
+    for i, e in enumerate(noise):  # carry update i's noise to the end of the round
+        for step in steps[i + 1:]:
+            e = step @ e
+        q += workers * np.outer(e, e)
+    if spectral_radius(round_map) >= 1.0:
+        return np.inf
+    # the fixed point of cov = M cov M^T + q
+    cov = np.linalg.solve(np.eye(n * n) - np.kron(round_map, round_map), q.ravel()).reshape(n, n)
+    points = [0] if fresh else range(1 + workers, n)
+    return float(np.mean([cov[p, p] for p in points]))
 
 
 def main():
@@ -95,6 +135,25 @@ def main():
     for a, name in ((1.0, "heavy ball"), (1 + MU, "Nesterov"), (3.0, ""),
                     (1 / (1 - MU), "no momentum")):
         print(f"  a = {a:.2f} {name:12s}: {edge(per_worker_rule(4, a)):.3f}")
+    hs = (0.02, 0.05, 0.1, 0.2, 0.4)
+    print("Noise floor: the variance where gradients are computed, relative to one process's, "
+          f"at h = {', '.join(map(str, hs))}:")
+    one = [noise_floor(1, h) for h in hs]
+    for workers in (2, 4, 8):
+        for name, rule in (("reply as is (--ahead 0)", dict(ahead=0)),
+                           ("extrapolated N - 1 (default)", dict(ahead=workers - 1)),
+                           ("extrapolated 2 (N - 1)", dict(ahead=2 * (workers - 1))),
+                           ("nothing stale", dict(fresh=True))):
+            ratios = [noise_floor(workers, h, **rule) / o for h, o in zip(hs, one)]
+            print(f"  {workers} workers, {name:29s}", " ".join(f"{r:5.2f}" for r in ratios))
+    # the family's best in the bulk (small h): every split a and extrapolation K, 4 workers
+    grid = [(a, k) for a in (1.0, 1 + MU, 2.5, 3.0) for k in np.linspace(0, 9, 13)]
+    score = lambda a, k: np.mean([np.log(noise_floor(4, h, a, k) / o)  # noqa: E731
+                                  for h, o in zip(hs[:3], one[:3])])
+    a, k = min(grid, key=lambda rule: score(*rule))
+    ratios = [noise_floor(4, h, a, k) / o for h, o in zip(hs, one)]
+    print(f"  4 workers, the best split and extrapolation for h <= {hs[2]} (a = {a:.2f}, K = "
+          f"{k:.2f}):", " ".join(f"{r:5.2f}" for r in ratios))
 
 
 if __name__ == "__main__":
