@@ -23,8 +23,8 @@ computes, the other workers' K = N - 1 updates (the expected staleness) move the
 along their momentum, by about lr v_j each. So the server replies with theta extrapolated K
 updates along the workers' mean buffer, theta - K lr mean_j(v_j) (--ahead K; 0 replies theta as
 it is), and each gradient is computed about where it will be applied (torch's step looks one
-sync step ahead, as in sync SGD, not over the updates in flight). On the yardstick this halves
-what staleness costs with 2 workers, and wins back less with 4 and 8 (BENCHMARKS.md).
+sync step ahead, as in sync SGD, not over the updates in flight). On the yardstick this wins
+back a third of what staleness costs with 2 workers, less with 4 and 8 (BENCHMARKS.md).
 --dc-lambda L (off by default) adds delay compensation (DC-ASGD, Zheng et al. 2017) before the
 step: the gradient, computed at the parameters theta_sent its worker was last sent, is moved to
 the current theta along a diagonal curvature estimate, g + L g * g * (theta - theta_sent) /

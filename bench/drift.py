@@ -51,6 +51,7 @@ def main(argv=None):
     p.add_argument("--every", type=int, default=25, help="probe every this many updates")
     p.add_argument("--lr", type=float, default=0.15)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train", type=int, default=6400, help="yardstick training images")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
@@ -60,7 +61,7 @@ def main(argv=None):
                               warmup_epochs=1.0, batch_size=64, global_batch=True, amp=True,
                               lr_scale=1.0, ahead_gradients=False, extra_ahead=0.0,
                               ahead_smooth=0.0, ahead_per_worker=False)
-    train, _ = staleness.yardstick(6400, 2000, 0)
+    train, _ = staleness.yardstick(a.train, 2000, 0)
     server, workers, loaders, rule = staleness.set_up(train, "nesterov", n, a.seed, args)
     probe = copy.deepcopy(server)  # the fp32 model both gradients are taken on
     proc = Process("drift", "", torch.device("cpu"), True)
