@@ -31,6 +31,9 @@ def test_stability_and_noise_floor_say_what_benchmarks_md_quotes():
         if m:
             floor[int(m.group(1)), m.group(2).split(" (")[0].strip()] = \
                 [float(x) for x in m.group(3).split()]
+    # the figures BENCHMARKS.md quotes ("The noise floor"), 4 workers
+    assert floor[4, "extrapolated N - 1"] == [1.00, 1.02, 1.10, 1.36, 2.27], floor
+    assert floor[4, "nothing stale"] == [0.94, 0.88, 0.83, 0.78, 0.76], floor
     for n in (2, 4, 8):
         as_is, default, fresh = (floor[n, "reply as is"], floor[n, "extrapolated N - 1"],
                                  floor[n, "nothing stale"])
