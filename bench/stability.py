@@ -147,10 +147,10 @@ def main():
             ratios = [noise_floor(workers, h, **rule) / o for h, o in zip(hs, one)]
             print(f"  {workers} workers, {name:29s}", " ".join(f"{r:5.2f}" for r in ratios))
     # the family's best in the bulk (small h): every split a and extrapolation K, 4 workers
+    def bulk(rule):  # the mean log ratio for h <= 0.1
+        return np.mean([np.log(noise_floor(4, h, *rule) / o) for h, o in zip(hs[:3], one[:3])])
     grid = [(a, k) for a in (1.0, 1 + MU, 2.5, 3.0) for k in np.linspace(0, 9, 13)]
-    score = lambda a, k: np.mean([np.log(noise_floor(4, h, a, k) / o)  # noqa: E731
-                                  for h, o in zip(hs[:3], one[:3])])
-    a, k = min(grid, key=lambda rule: score(*rule))
+    a, k = min(grid, key=bulk)
     ratios = [noise_floor(4, h, a, k) / o for h, o in zip(hs, one)]
     print(f"  4 workers, the best split and extrapolation for h <= {hs[2]} (a = {a:.2f}, K = "
           f"{k:.2f}):", " ".join(f"{r:5.2f}" for r in ratios))
