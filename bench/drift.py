@@ -56,11 +56,10 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
     n = a.workers
-    # the reply as it was (--extra-ahead 0: the rule the figures quoted were taken with)
-    args = argparse.Namespace(lr=a.lr, momentum=0.9, weight_decay=5e-4, epochs=6,
-                              warmup_epochs=1.0, batch_size=64, global_batch=True, amp=True,
-                              lr_scale=1.0, ahead_gradients=False, extra_ahead=0.0,
-                              ahead_smooth=0.0, ahead_per_worker=False)
+    # the simulator's defaults: the reply as it was (no --extra-ahead: the rule the figures
+    # quoted were taken with), 6 epochs of global batch 64
+    args = staleness.make_parser().parse_args(["--lr", str(a.lr), "--epochs", "6",
+                                               "--batch-size", "64", "--global-batch"])
     train, _ = staleness.yardstick(a.train, 2000, 0)
     server, workers, loaders, rule = staleness.set_up(train, "nesterov", n, a.seed, args)
     probe = copy.deepcopy(server)  # the fp32 model both gradients are taken on

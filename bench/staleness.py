@@ -303,7 +303,8 @@ def yardstick(n_train, n_test, seed):
     return sets
 
 
-def main(argv=None):
+def make_parser():
+    """The simulator's options (bench/drift.py takes its defaults from here too)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
@@ -350,7 +351,11 @@ def main(argv=None):
     p.add_argument("--test", type=int, default=2000)
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--json", help="append each result as a JSON line here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
     # The rules step the LR schedule themselves (the optimizer only holds the LR).
     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
