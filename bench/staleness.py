@@ -100,9 +100,9 @@ class Rule:
             ahead = self.mu + ((1 - self.mu) * self.tau / (self.tau + 1)
                                if self.args.ahead_gradients else 0.0)
             out = [p - self.lr() * ahead * t for p, t in zip(self.params, self.total)]
-        elif self.style == "lookahead":  # tau updates ahead at the current velocity
-            v = self.v[0]
-            out = [p - self.tau * self.lr() * vi for p, vi in zip(self.params, v)]
+        elif self.style == "lookahead":  # --ahead (default tau) updates ahead at the velocity
+            k = self.tau if self.args.ahead is None else self.args.ahead
+            out = [p - k * self.lr() * vi for p, vi in zip(self.params, self.v[0])]
         elif self.style == "nesterov" and self.args.extra_ahead:
             # --extra-ahead C: further along every worker's buffer, C * (lr / N) * sum_j v_j
             # (C = (N - 1) / N: the momentum's share of the N - 1 updates in flight)
@@ -241,7 +241,7 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
     mean, std = loader.normalization("cifar100")
     test_loader = loader.DeviceLoader(test, 500, device, train=False, mean=mean, std=std)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
-    curve, losses = [], []
+    curve, losses, windows, window = [], [], [], []  # windows: --log-every's mean losses
     shuffler = torch.Generator().manual_seed(seed)
     for epoch in range(args.epochs):
         start = time.perf_counter()
@@ -251,7 +251,7 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
             iters.append(iter(shard))
         torch.manual_seed(seed * 1000 + epoch)
         loss_sum, seen = 0.0, 0
-        for _ in range(len(loaders[0])):
+        for step in range(len(loaders[0])):
             # round robin: staleness n_workers - 1; --shuffle-order: 0 to 2 (n_workers - 1)
             order = torch.randperm(n_workers, generator=shuffler).tolist() \
                 if args.shuffle_order and rule != "sync" else range(n_workers)
@@ -270,9 +270,13 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
                         load(workers[v], server_rule.reply(v))
                 loss_sum += loss.item() * len(labels)
                 seen += len(labels)
+                window.append(loss.item())
             if rule == "sync":  # every rank continues from the round's one update
                 for w in range(n_workers):
                     load(workers[w], server_rule.reply(w))
+            if args.log_every and (step + 1) % args.log_every == 0:
+                windows.append(round(sum(window) / len(window), 4))
+                window = []
         # evaluate the server's parameters with the latest worker's BatchNorm statistics
         for b_server, b_worker in zip(server.buffers(), workers[-1].buffers()):
             b_server.copy_(b_worker)
@@ -281,8 +285,11 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
         losses.append(round(loss_sum / seen, 4))
         log(f"  {rule:10s} N={n_workers} seed {seed} epoch {epoch + 1}: train loss "
             f"{loss_sum / seen:.3f} test acc {acc:.2f}% ({time.perf_counter() - start:.0f} s)")
-    return {"rule": rule, "workers": n_workers, "seed": seed, "test_acc": curve,
-            "train_loss": losses}
+    result = {"rule": rule, "workers": n_workers, "seed": seed, "test_acc": curve,
+              "train_loss": losses}
+    if args.log_every:
+        result["train_loss_every"] = windows
+    return result
 
 
 @torch.no_grad()
@@ -318,7 +325,8 @@ def make_parser():
     p.add_argument("--weight-decay", type=float, default=5e-4)
     p.add_argument("--warmup-epochs", type=float, default=1.0)
     p.add_argument("--ahead", type=float, default=None,
-                   help="lookahead: updates to extrapolate (default: workers - 1)")
+                   help="rule lookahead: the updates to extrapolate the reply over (default: "
+                        "workers - 1)")
     p.add_argument("--lr-scale", type=float, default=1.0,
                    help="every update's learning rate times this (a learning-rate sweep)")
     p.add_argument("--dc-lambda", type=float, default=2.0)
@@ -347,6 +355,9 @@ def make_parser():
     p.add_argument("--shuffle-order", action="store_true",
                    help="the workers take their turns in a new random order every round, so "
                         "staleness varies from 0 to 2 (N - 1) around N - 1, as in real runs")
+    p.add_argument("--log-every", type=int, default=0, metavar="ROUNDS",
+                   help="also record the mean training loss of every ROUNDS rounds (N updates "
+                        "each; sync: N gradients, one update) as train_loss_every")
     p.add_argument("--train", type=int, default=5000)
     p.add_argument("--test", type=int, default=2000)
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True)
@@ -371,7 +382,7 @@ def main(argv=None):
                            lr_scale=args.lr_scale, extra_ahead=args.extra_ahead,
                            ahead_smooth=args.ahead_smooth, ahead_per_worker=args.ahead_per_worker,
                            warmup_epochs=args.warmup_epochs, fresh=args.fresh,
-                           shuffle_order=args.shuffle_order)
+                           shuffle_order=args.shuffle_order, log_every=args.log_every)
                 print(json.dumps(res), flush=True)
                 if args.json:
                     with open(args.json, "a") as f:

@@ -54,7 +54,7 @@ def test_staleness_simulator_runs_every_reply(tmp_path):
     runs = [["--rule", "nesterov", "nesterovdc", "sync", "plain", "dana", "danaga",
              "--extra-ahead", "0.5", "--ahead-per-worker"],
             ["--rule", "nesterov", "--extra-ahead", "0.5", "--ahead-smooth", "0.9"],
-            ["--rule", "nesterov", "--fresh", "--shuffle-order"],
+            ["--rule", "nesterov", "--fresh", "--shuffle-order", "--log-every", "2"],
             ["--rule", "dana", "--spike", "--ahead-gradients"]]
     for argv in runs:
         ok(run_bench("staleness.py", *tiny, *argv, "--json", str(out)))
@@ -65,6 +65,25 @@ def test_staleness_simulator_runs_every_reply(tmp_path):
         assert len(r["test_acc"]) == 1 and 0.0 <= r["test_acc"][0] <= 100.0, r
         assert 0.0 < r["train_loss"][0] < 20.0, r  # finite, a loss
     assert results[0]["ahead_per_worker"] and results[6]["ahead_smooth"] == 0.9
+    # --log-every 2: 128 images / 2 workers / batch 8 = 8 rounds, a mean loss per 2 of them
+    windows = results[7]["train_loss_every"]
+    assert len(windows) == 4 and all(0.0 < w < 20.0 for w in windows), windows
+    assert "train_loss_every" not in results[0]
+
+
+def test_simulator_lookahead_extrapolates_as_far_as_ahead_says(tmp_path):
+    """--ahead 0 replies the parameters as they are: the slides' rule (`plain`), step for step;
+    the default (workers - 1 updates) replies elsewhere and trains differently."""
+    tiny = ["--workers", "2", "--train", "128", "--test", "64", "--epochs", "1",
+            "--batch-size", "16", "--global-batch", "--lr", "0.05"]
+    out = tmp_path / "results.jsonl"
+    for argv in (["--rule", "plain"], ["--rule", "lookahead", "--ahead", "0"],
+                 ["--rule", "lookahead"]):
+        ok(run_bench("staleness.py", *tiny, *argv, "--json", str(out)))
+    plain, ahead_0, ahead_1 = [json.loads(line) for line in out.read_text().splitlines()]
+    assert ahead_0["ahead"] == 0 and ahead_1["ahead"] is None
+    assert ahead_0["train_loss"] == plain["train_loss"], (ahead_0, plain)
+    assert ahead_1["train_loss"] != plain["train_loss"], (ahead_1, plain)
 
 
 def test_drift_probe_prints_its_measurements():
