@@ -274,7 +274,8 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
             if rule == "sync":  # every rank continues from the round's one update
                 for w in range(n_workers):
                     load(workers[w], server_rule.reply(w))
-            if args.log_every and (step + 1) % args.log_every == 0:
+            if args.log_every and window and ((step + 1) % args.log_every == 0
+                                              or step + 1 == len(loaders[0])):
                 windows.append(round(sum(window) / len(window), 4))
                 window = []
         # evaluate the server's parameters with the latest worker's BatchNorm statistics
@@ -357,7 +358,8 @@ def make_parser():
                         "staleness varies from 0 to 2 (N - 1) around N - 1, as in real runs")
     p.add_argument("--log-every", type=int, default=0, metavar="ROUNDS",
                    help="also record the mean training loss of every ROUNDS rounds (N updates "
-                        "each; sync: N gradients, one update) as train_loss_every")
+                        "each; sync: N gradients, one update) as train_loss_every; each epoch's "
+                        "last window is shorter where ROUNDS does not divide it")
     p.add_argument("--train", type=int, default=5000)
     p.add_argument("--test", type=int, default=2000)
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True)
