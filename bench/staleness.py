@@ -270,12 +270,13 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
                         load(workers[v], server_rule.reply(v))
                 loss_sum += loss.item() * len(labels)
                 seen += len(labels)
-                window.append(loss.item())
+                if args.log_every:
+                    window.append(loss.item())
             if rule == "sync":  # every rank continues from the round's one update
                 for w in range(n_workers):
                     load(workers[w], server_rule.reply(w))
-            if args.log_every and window and ((step + 1) % args.log_every == 0
-                                              or step + 1 == len(loaders[0])):
+            if args.log_every and ((step + 1) % args.log_every == 0
+                                   or step + 1 == len(loaders[0])):
                 windows.append(round(sum(window) / len(window), 4))
                 window = []
         # evaluate the server's parameters with the latest worker's BatchNorm statistics
@@ -377,14 +378,11 @@ def main(argv=None):
         for rule in args.rule:
             for n in args.workers:
                 res = simulate(train, test, rule, n, seed, args)
-                res.update(lr=args.lr, batch=args.batch_size, epochs=args.epochs,
-                           ahead=args.ahead, dc_lambda=args.dc_lambda, ga_form=args.ga_form,
-                           ga_beta=args.ga_beta, global_batch=args.global_batch,
-                           ahead_gradients=args.ahead_gradients, spike=args.spike,
-                           lr_scale=args.lr_scale, extra_ahead=args.extra_ahead,
-                           ahead_smooth=args.ahead_smooth, ahead_per_worker=args.ahead_per_worker,
-                           warmup_epochs=args.warmup_epochs, fresh=args.fresh,
-                           shuffle_order=args.shuffle_order, log_every=args.log_every)
+                # every option of the run, so a new one is recorded without listing it here
+                # ("batch": the name the results so far have it under)
+                res.update({k: v for k, v in vars(args).items()
+                            if k not in ("rule", "workers", "seeds", "json")},
+                           batch=args.batch_size)
                 print(json.dumps(res), flush=True)
                 if args.json:
                     with open(args.json, "a") as f:
