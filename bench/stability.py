@@ -83,13 +83,18 @@ def per_worker_steps(workers, h, a=1 + MU, ahead=0, fresh=False):
     return steps, noise
 
 
+def in_turn(steps):
+    """The matrix of the updates `steps` applied one after the other."""
+    round_map = np.eye(len(steps[0]))
+    for step in steps:
+        round_map = step @ round_map
+    return round_map
+
+
 def per_worker_rule(workers, a=1 + MU, ahead=0, fresh=False):
     """One round of N updates of the script's rule, as one matrix (a function of h)."""
     def update(h):
-        round_map = np.eye(1 + 2 * workers)
-        for step in per_worker_steps(workers, h, a, ahead, fresh)[0]:
-            round_map = step @ round_map
-        return round_map
+        return in_turn(per_worker_steps(workers, h, a, ahead, fresh)[0])
     return update
 
 
@@ -99,9 +104,7 @@ def noise_floor(workers, h, a=1 + MU, ahead=0, fresh=False):
     loss SGD's noise keeps it at along a direction of curvature lambda (h = lr lambda)."""
     steps, noise = per_worker_steps(workers, h, a, ahead, fresh)
     n = 1 + 2 * workers
-    round_map, q = np.eye(n), np.zeros((n, n))
-    for step in steps:
-        round_map = step @ round_map
+    round_map, q = in_turn(steps), np.zeros((n, n))
     for i, e in enumerate(noise):  # carry update i's noise to the end of the round
         for step in steps[i + 1:]:
             e = step @ e
