@@ -33,7 +33,10 @@ Rules (the server's treatment of a gradient computed on parameters `tau` updates
   nomomentum  momentum 0 and the learning rate x 1 / (1 - 0.9), the same step size
   sync        sync SGD over the N workers: a round's gradients averaged, one update
 --fresh is a control: every worker reloads the parameters after every update, so nothing is
-stale and the rule's other choices are measured alone.  --shuffle-order gives the workers their
+stale and the rule's other choices are measured alone; --fresh-only PREFIX... does so for the
+parameters named so only (a diagnosis: --fresh-only fc. finds the head's staleness behind the
+warm-up climb).  --fresh-head is the script's remedy for it: the server recomputes the head's
+gradient at its current parameters from the features and labels the worker sends.  --shuffle-order gives the workers their
 turns in a new random order every round: staleness 0 to 2 (N - 1) around N - 1, as in real runs
 (a fixed order flatters delay compensation: BENCHMARKS.md).
 --global-batch makes --batch-size the global batch: each worker computes on batch / N and
@@ -57,6 +60,7 @@ import torch  # noqa: E402
 from common import data, loader, training  # noqa: E402
 from common.process import Process  # noqa: E402
 from common.model import build_model  # noqa: E402
+from async_sgd_cifar100 import head_gradient  # noqa: E402
 
 
 class Rule:
@@ -241,6 +245,10 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
     mean, std = loader.normalization("cifar100")
     test_loader = loader.DeviceLoader(test, 500, device, train=False, mean=mean, std=std)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    head_input = {}  # --fresh-head: the features the head of the latest worker saw
+    for model in workers:
+        model.fc.register_forward_pre_hook(lambda module, inputs: head_input.update(x=inputs[0]))
+    fresh_only = [name.startswith(tuple(args.fresh_only)) for name, _ in server.named_parameters()]
     curve, losses, windows, window = [], [], [], []  # windows: --log-every's mean losses
     shuffler = torch.Generator().manual_seed(seed)
     for epoch in range(args.epochs):
@@ -264,10 +272,17 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
                 model.zero_grad(set_to_none=True)
                 loss.backward()
                 grads = [p.grad.float().contiguous() for p in model.parameters()]
+                if args.fresh_head and rule != "sync":  # the head's gradient, at the server's
+                    server_fc = server.fc  # current parameters, from this worker's features
+                    grads[-2:] = head_gradient(head_input["x"].float(), labels, server_fc.weight,
+                                               server_fc.bias, 0.1)
                 server_rule.apply(w, grads)
                 if rule != "sync":
                     for v in (range(n_workers) if args.fresh else [w]):
                         load(workers[v], server_rule.reply(v))
+                    if args.fresh_only:
+                        for v in range(n_workers):
+                            load(workers[v], server_rule.reply(v), only=fresh_only)
                 loss_sum += loss.item() * len(labels)
                 seen += len(labels)
                 if args.log_every:
@@ -295,9 +310,10 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
 
 
 @torch.no_grad()
-def load(model, tensors):
-    for p, t in zip(model.parameters(), tensors):
-        p.copy_(t)
+def load(model, tensors, only=None):
+    for i, (p, t) in enumerate(zip(model.parameters(), tensors)):
+        if only is None or only[i]:
+            p.copy_(t)
 
 
 def yardstick(n_train, n_test, seed):
@@ -354,6 +370,14 @@ def make_parser():
     p.add_argument("--fresh", action="store_true",
                    help="control: every worker reloads after every update (staleness 0, the "
                         "same batches, learning rates and momentum buffers)")
+    p.add_argument("--fresh-head", action="store_true",
+                   help="the head's (fc's) gradient recomputed at the server's current "
+                        "parameters from the worker's features and labels, as "
+                        "async_sgd_cifar100.py does by default (--fresh-head); the body's "
+                        "gradient stays stale")
+    p.add_argument("--fresh-only", nargs="+", default=[], metavar="PREFIX",
+                   help="diagnosis: every worker reloads the parameters whose names start "
+                        "with one of these (e.g. fc.) after every update; the others stay stale")
     p.add_argument("--shuffle-order", action="store_true",
                    help="the workers take their turns in a new random order every round, so "
                         "staleness varies from 0 to 2 (N - 1) around N - 1, as in real runs")

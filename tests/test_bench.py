@@ -85,6 +85,26 @@ def test_simulator_lookahead_extrapolates_as_far_as_ahead_says(tmp_path):
     assert ahead_1["train_loss"] != plain["train_loss"], (ahead_1, plain)
 
 
+def test_simulator_fresh_head_and_fresh_only(tmp_path):
+    """--fresh-head recomputes the head's gradient at the server's parameters: with 1 worker
+    (nothing stale, fp32) that is the worker's own gradient, step for step; with 2 workers it
+    trains differently.  --fresh-only with every module's prefix is --fresh; with fc. alone
+    it is neither the stale run nor --fresh."""
+    out = tmp_path / "results.jsonl"
+    one = ["--rule", "nesterov", "--workers", "1", "--no-amp"]
+    two = ["--rule", "nesterov", "--extra-ahead", "0.5"]
+    every = ["conv1.", "bn1.", "conv2_x.", "conv3_x.", "conv4_x.", "conv5_x.", "fc."]
+    for argv in (one, [*one, "--fresh-head"], two, [*two, "--fresh-head"], [*two, "--fresh"],
+                 [*two, "--fresh-only", *every], [*two, "--fresh-only", "fc."]):
+        ok(run_bench("staleness.py", *TINY, *argv, "--json", str(out)))
+    runs = [json.loads(line)["train_loss"] for line in out.read_text().splitlines()]
+    one_stale, one_head, two_stale, two_head, fresh, all_fresh, fc_fresh = runs
+    assert one_head == one_stale
+    assert two_head != two_stale
+    assert all_fresh == fresh
+    assert fc_fresh not in (two_stale, fresh)
+
+
 def test_drift_probe_prints_its_measurements():
     lines = ok(run_bench("drift.py", "--train", "256", "--epochs", "2", "--every", "2"))
     probes = [line.split() for line in lines[1:] if line.strip()]

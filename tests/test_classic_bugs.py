@@ -8,6 +8,7 @@ does, on a few dozen generated images.
 """
 import json
 import math
+from collections import OrderedDict
 import os
 import subprocess
 import sys
@@ -368,8 +369,8 @@ def _async_worker_and_server(rank, port, record):
                             world_size=2)
     args = async_sgd_cifar100.parse_args(["--epochs", "2", "--batch-size", "4"])
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16))
-    layout = async_sgd_cifar100.Layout(model)
+    model = nn.Sequential(OrderedDict(flatten=nn.Flatten(), fc=nn.Linear(3 * 8 * 8, 16)))
+    layout = async_sgd_cifar100.Layout(model, 4)  # with the head's inputs (--fresh-head)
     if rank == 1:
         proc = Process("async_sgd_cifar100", ".", torch.device("cpu"), False, 1, 2)
         train = loader.train_loader(image_set(16, 16), args, proc, batch_size=4)
@@ -414,6 +415,19 @@ def test_async_worker_computes_on_the_parameters_the_server_sends(async_messages
     assert abs(losses[0].item() - math.log(16)) > 1e-2  # the initial weights are not zero
     assert torch.allclose(losses[1:], torch.full_like(losses[1:], math.log(16)), atol=1e-5), \
         losses
+
+
+def test_async_worker_sends_the_heads_inputs_with_its_gradient(async_messages):
+    """--fresh-head: after the gradient, each message carries the batch's features as the head
+    (fc) saw them -- here the flattened, normalised images -- and the batch's labels, which are
+    the labels the gradient came from."""
+    head = async_messages[:, 4 + 16 * 3 * 8 * 8 + 16:]
+    features, labels = head[:, :4 * 192].reshape(-1, 4, 192), head[:, 4 * 192:]
+    assert head.shape[1] == 4 * (192 + 1)
+    for message, f, y in zip(async_messages[1:], features[1:], labels[1:]):
+        assert sorted(y.long().tolist()) == sorted(batch_labels(message)), y
+        assert f.std() > 0.1 and f.abs().max() < 10  # normalised pixels, one row per image
+        assert len({tuple(row.tolist()) for row in f}) == 4  # four different images
 
 
 def test_async_worker_visits_its_shard_in_a_new_order_each_epoch(async_messages):
@@ -473,11 +487,12 @@ def test_async_workers_split_the_training_set_and_reshard_it_each_epoch(tmp_path
     assert set(worker1[:n // 2]) != set(worker1[n // 2:])  # resharded, not only reordered
 
 
-def _server(dc_lambda, *flags, workers=2):
+def _server(dc_lambda, *flags, workers=2, model=None, fresh_head=False):
     args = async_sgd_cifar100.parse_args(["--lr", "0.2", "--epochs", "2", "--warmup-epochs", "0",
-                                          "--dc-lambda", str(dc_lambda), *flags])
+                                          "--dc-lambda", str(dc_lambda), *flags,
+                                          "--fresh-head" if fresh_head else "--no-fresh-head"])
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3))
+    model = model or nn.Sequential(nn.Linear(4, 3))
     return (async_sgd_cifar100.Server(model, workers, args, None, None, State(), 10, None, None),
             args)
 
@@ -571,6 +586,46 @@ def test_async_server_replies_with_the_parameters_extrapolated_over_the_updates_
             assert torch.allclose(sent[-1][1][1:], expected, atol=1e-6), (workers, step)
             if step:
                 assert ahead == 0 or (sent[-1][1][1:] - server.theta).abs().max() > 1e-4
+
+
+def test_async_server_computes_the_heads_gradient_at_its_current_parameters(monkeypatch):
+    """--fresh-head (the default): the head's (fc's) gradient that comes in a message is stale
+    like the rest; the server replaces it by the head's gradient at its current parameters,
+    from the features and labels the message carries.  Worker 2's gradient arrives one update
+    after worker 1's: its head part must be the gradient at theta_1, not at theta_0 where
+    worker 2 computed it, and not what it sent (NaN here); the body's part is applied as
+    sent."""
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend", lambda tensor, dst: _Done())
+    model = nn.Sequential(OrderedDict(body=nn.Linear(4, 5), fc=nn.Linear(5, 3)))
+    server, args = _server(0, "--ahead", "0", "--batch-size", "4", model=model, fresh_head=True)
+    decay = torch.tensor([args.weight_decay] * 20 + [0.0] * 5 + [args.weight_decay] * 15
+                         + [0.0] * 3)
+    features, labels = torch.randn(2, 5), torch.tensor([2, 0])
+
+    def message(body_gradient):  # 2 samples; the head's slot in the batch of 4 partly used
+        gradient = torch.cat([body_gradient, torch.full((18,), float("nan"))])
+        head = torch.zeros(2 * (5 + 1))
+        head[:10], head[10:12] = features.reshape(-1), labels.float()
+        return torch.cat([torch.tensor([async_sgd_cifar100.GRADIENT, 2.0, 1.0, 5.0]),
+                          gradient, head])
+
+    def head_gradient_at(theta):
+        fc = nn.Linear(5, 3)
+        with torch.no_grad():
+            fc.weight.copy_(theta[25:40].view(3, 5))
+            fc.bias.copy_(theta[40:])
+        F.cross_entropy(fc(features), labels, label_smoothing=0.1).backward()
+        return torch.cat([fc.weight.grad.reshape(-1), fc.bias.grad])
+
+    v = torch.zeros(2, 43)
+    for worker in (1, 2):
+        body, theta, lr = torch.randn(25), server.theta.clone(), server.lr()
+        server.apply(worker, message(body.clone()))
+        d = torch.cat([body, head_gradient_at(theta)]) + decay * theta
+        v[worker - 1] = 0.9 * v[worker - 1] + d
+        assert torch.allclose(server.theta, theta - lr * (d + 0.9 * v[worker - 1]), atol=1e-6), \
+            (worker, (server.theta - theta + lr * (d + 0.9 * v[worker - 1])).abs().max())
+    assert server.theta.isfinite().all()
 
 
 class _Done:
