@@ -284,6 +284,19 @@ MUTANTS = [
            (BUGS + "test_async_server_replies_with_the_parameters_extrapolated_over_the_updates_"
                    "in_flight",),
            "the reply is extrapolated against the momentum, away from where the parameters go"),
+    Mutant("async-head-left-stale", "async_sgd_cifar100.py",
+           "        if self.args.fresh_head:  # the head's gradient at the current parameters",
+           "        if False:  # the head's gradient at the current parameters",
+           (BUGS + "test_async_server_computes_the_heads_gradient_at_its_current_parameters",),
+           "the server applies the head's gradient as the worker computed it, on parameters "
+           "N - 1 updates old"),
+    Mutant("async-head-labels-misaligned", "async_sgd_cifar100.py",
+           "head[self.batch * self.n_features:][:n].copy_(labels)",
+           "head[self.batch * self.n_features:][:n].copy_(labels.roll(1))",
+           ("tests/test_learning.py::test_async_sgd_with_one_worker_is_nesterov_sgd_step_for_"
+            "step",),
+           "the worker sends its labels out of step with its features: the server's head "
+           "gradient is for other labels"),
 ]
 
 
