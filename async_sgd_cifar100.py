@@ -30,9 +30,9 @@ head's part of the gradient by the head's gradient at the server's current param
 forward and backward pass of one small layer). The head is where staleness bites: its
 curvature grows with the squared norm of the max-pooled features (about 29^2 at the start,
 where 256 ReLU channels are max-pooled), and stale head gradients made the training loss climb
-above ln(100) in the warm-up. Measured on the yardstick (4 workers, 5 seeds), the fresh head
-moves async SGD from 4.9 to 2.8 points below sync (the extrapolated reply alone: from 5.7 to
-4.9); BENCHMARKS.md has the figures.
+above ln(100) in the warm-up. Measured on the yardstick, the fresh head moves async SGD from
+4.9 to 2.7 points below sync with 4 workers (the extrapolated reply alone: from 5.7 to 4.9),
+from 2.7 to 1.1 with 2 and from 4.2 to 3.0 with 8; BENCHMARKS.md has the figures.
 --dc-lambda L (off by default) adds delay compensation (DC-ASGD, Zheng et al. 2017) before the
 step: the gradient, computed at the parameters theta_sent its worker was last sent, is moved to
 the current theta along a diagonal curvature estimate, g + L g * g * (theta - theta_sent) /
