@@ -272,9 +272,9 @@ class Server:
         since its worker was sent parameters) moves its own momentum buffer, and the
         parameters by torch's Nesterov step (weight decay on conv and linear weights is part
         of the gradient)."""
-        samples = int(message[1].item())
+        samples, correct, loss_sum = message[1:HEADER].tolist()
         gradient, buffers, features, labels = self.layout.unpack(
-            message.to(self.theta.device), samples)
+            message.to(self.theta.device), int(samples))
         if self.args.fresh_head:  # the head's gradient at the current parameters
             self.fresh_head_gradient(gradient, features, labels)
         if self.args.dc_lambda:  # delay compensation, --dc-lambda (the module docstring)
@@ -296,7 +296,6 @@ class Server:
         self.staleness.append(self.version - self.sent_version[worker])
         self.version += 1
         self.applied[worker] += 1
-        samples, correct, loss_sum = message[1:HEADER].tolist()
         self.totals = [self.totals[0] + loss_sum, self.totals[1] + correct,
                        self.totals[2] + samples]
 

@@ -36,9 +36,10 @@ Rules (the server's treatment of a gradient computed on parameters `tau` updates
 stale and the rule's other choices are measured alone; --fresh-only PREFIX... does so for the
 parameters named so only (a diagnosis: --fresh-only fc. finds the head's staleness behind the
 warm-up climb).  --fresh-head is the script's remedy for it: the server recomputes the head's
-gradient at its current parameters from the features and labels the worker sends.  --shuffle-order gives the workers their
-turns in a new random order every round: staleness 0 to 2 (N - 1) around N - 1, as in real runs
-(a fixed order flatters delay compensation: BENCHMARKS.md).
+gradient at its current parameters from the features and labels the worker sends.
+--shuffle-order gives the workers their turns in a new random order every round: staleness 0
+to 2 (N - 1) around N - 1, as in real runs (a fixed order flatters delay compensation:
+BENCHMARKS.md).
 --global-batch makes --batch-size the global batch: each worker computes on batch / N and
 each update uses lr / N (async_sgd_cifar100.py's semantics).
 """
@@ -246,8 +247,10 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
     test_loader = loader.DeviceLoader(test, 500, device, train=False, mean=mean, std=std)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
     head_input = {}  # --fresh-head: the features the head of the latest worker saw
-    for model in workers:
-        model.fc.register_forward_pre_hook(lambda module, inputs: head_input.update(x=inputs[0]))
+    if args.fresh_head:
+        for model in workers:
+            model.fc.register_forward_pre_hook(
+                lambda module, inputs: head_input.update(x=inputs[0]))
     fresh_only = [name.startswith(tuple(args.fresh_only)) for name, _ in server.named_parameters()]
     curve, losses, windows, window = [], [], [], []  # windows: --log-every's mean losses
     shuffler = torch.Generator().manual_seed(seed)
@@ -275,7 +278,7 @@ def simulate(train, test, rule, n_workers, seed, args, log=print):
                 if args.fresh_head and rule != "sync":  # the head's gradient, at the server's
                     server_fc = server.fc  # current parameters, from this worker's features
                     grads[-2:] = head_gradient(head_input["x"].float(), labels, server_fc.weight,
-                                               server_fc.bias, 0.1)
+                                               server_fc.bias, criterion.label_smoothing)
                 server_rule.apply(w, grads)
                 if rule != "sync":
                     for v in (range(n_workers) if args.fresh else [w]):
