@@ -80,6 +80,7 @@ GRADIENT, DONE, STOPPING = 0.0, 1.0, 2.0
 HEADER = 4
 CONTINUE = 0.0
 DC_LAMBDA = 0.0  # delay compensation: off (BENCHMARKS.md, "Async SGD under staleness")
+PULL = 0.0  # the pull back to where each gradient was computed (BENCHMARKS.md)
 
 
 class Layout:
@@ -244,13 +245,24 @@ class Server:
         self.version = state.extra.get("updates", state.epoch * updates_per_epoch)
         self.workers = list(self.v)
         self.replies = {w: torch.zeros(self.layout.reply_size) for w in self.workers}
-        self.sent = {}  # delay compensation: the parameters each worker computes on
-        if args.dc_lambda:
+        # --pull P: each update also moves the parameters P / N of the way back to where its
+        # gradient was computed (with one worker they are the same: nothing to pull)
+        self.pull = args.pull / n_workers if n_workers > 1 else 0.0
+        if self.pull:
+            self.gap = torch.empty_like(self.theta)  # preallocated, as delay compensation's
+            self.pulled = torch.ones_like(self.theta)  # 0 on the head with --fresh-head: its
+            if args.fresh_head:  # gradient is computed at the current parameters already
+                for start, tensor in ((self.layout.head_weight, model.fc.weight),
+                                      (self.layout.head_bias, model.fc.bias)):
+                    self.pulled[start:start + tensor.numel()] = 0.0
+        self.sent = {}  # --pull, --dc-lambda: the parameters each worker computes on
+        if args.dc_lambda or self.pull:
             for w in self.workers:  # every worker starts from theta
                 self.replies[w][1:].copy_(self.theta)
                 # its reply buffer is that copy; on a GPU, keep one on the device
                 self.sent[w] = self.replies[w][1:] if self.theta.device.type == "cpu" \
                     else self.theta.clone()
+        if args.dc_lambda:
             # its curvature estimate: the running mean of g * g (resumed if saved)
             mean_square = state.extra.get("mean_square")
             self.mean_square = (mean_square.to(self.theta.device) if mean_square is not None
@@ -284,6 +296,8 @@ class Server:
             torch.sqrt(self.mean_square, out=root).add_(1e-7)
             gradient.addcdiv_(moved.mul_(gradient).mul_(gradient), root,
                               value=self.args.dc_lambda)
+        if self.pull:  # how far the parameters moved since this worker's were sent
+            torch.sub(self.theta, self.sent[worker], out=self.gap).mul_(self.pulled)
         gradient.addcmul_(self.decay, self.theta)  # g + weight decay * theta
         v = self.v[worker]
         if self.ahead:
@@ -292,6 +306,8 @@ class Server:
         if self.ahead:
             self.v_total.add_(v)
         self.theta.sub_(gradient.add_(v, alpha=self.mu), alpha=self.lr())  # - lr (g + mu v_i)
+        if self.pull:  # back towards where the gradient was computed, P / N of the way
+            self.theta.sub_(self.gap, alpha=self.pull)
         self.statistics[worker] = buffers.clone()  # its latest BatchNorm statistics
         self.staleness.append(self.version - self.sent_version[worker])
         self.version += 1
@@ -471,6 +487,11 @@ def parse_args(argv=None):
                    help="reply with the parameters extrapolated K updates ahead along the "
                         "workers' momentum, theta - K lr mean(v_j) (default: workers - 1, the "
                         "expected staleness; 0: theta as it is)")
+    g.add_argument("--pull", type=float, default=PULL, metavar="P",
+                   help="each update also moves the parameters P / N of the way back to the "
+                        "ones its worker computed the gradient on, which damps the other "
+                        "workers' moves that the reply did not foresee (default %(default)g; "
+                        "0: off)")
     g.add_argument("--fresh-head", action=argparse.BooleanOptionalAction, default=True,
                    help="the server recomputes the head's (fc) gradient at its current "
                         "parameters from the features and labels each worker sends, so that "
@@ -481,9 +502,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    for flag, value in (("--dc-lambda", args.dc_lambda), ("--ahead", args.ahead)):
+    for flag, value in (("--dc-lambda", args.dc_lambda), ("--ahead", args.ahead),
+                        ("--pull", args.pull)):
         if value is not None and value < 0:
             raise UserError(f"{flag} {value:g} is negative; use 0 (off) or more")
+    if args.pull > 1:  # over a round of N updates the pull would overshoot the gap
+        raise UserError(f"--pull {args.pull:g} is more than 1; use a fraction from 0 (off) to 1")
     launch = detect_launch()
     n_workers = launch.world_size - 1
     if n_workers < 1:

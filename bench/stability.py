@@ -22,6 +22,15 @@ process's variance), the stationary variance of the parameters the gradients are
 along a direction with a given h, relative to one process's (the loss the noise keeps SGD at).
 Along the bulk of directions (small h) it orders the rules as the simulator's accuracies do
 (BENCHMARKS.md), and it bounds what any reply of this family can win.
+
+Last, the pull (async_sgd_cifar100.py --pull P): each update also moves the parameters P / N
+of the way back to those its gradient was computed on.  With the reply extrapolated, what the
+parameters moved beyond the reply's forecast is mostly the other workers' gradient noise, and
+in sharp directions the delayed feedback amplifies it.  Stationary variance alone cannot judge
+a damping (a step of zero has none), so the pull is scored by the loss after as many rounds as
+the yardstick's 6 epochs have (600), from a unit offset, with gradient noise: bias (progress)
+and variance together, along directions from h = 1e-4 (barely trained) to 0.6, relative to
+one process.
 """
 import numpy as np
 
@@ -57,12 +66,13 @@ def slides_rule(delay):
     return update
 
 
-def per_worker_steps(workers, h, a=1 + MU, ahead=0, fresh=False):
+def per_worker_steps(workers, h, a=1 + MU, ahead=0, fresh=False, pull=0.0):
     """The N updates of one round as matrices on the state [theta, v_1..v_N, held_1..held_N]
     (held_i: the parameters worker i computes on), and for each update the direction in which
     its gradient's noise enters the state (wherever g does).  The reply is the parameters after
     the update, extrapolated `ahead` updates along the buffers (the script's --ahead); `fresh`:
-    every worker computes on the current parameters (nothing stale)."""
+    every worker computes on the current parameters (nothing stale); `pull`: each update also
+    moves the parameters pull / N of the way back to where worker i computed (--pull)."""
     b = 1 - a * (1 - MU)  # a + b / (1 - mu) = 1 / (1 - mu): the same long-run step
     n = 1 + 2 * workers
     eye = np.eye(n)
@@ -72,7 +82,7 @@ def per_worker_steps(workers, h, a=1 + MU, ahead=0, fresh=False):
         step = eye.copy()
         g = h * (eye[0] if fresh else eye[held])  # the gradient where worker i computes
         step[v] = MU * eye[v] + g
-        step[0] = eye[0] - (a * g + b * eye[v]) / workers
+        step[0] = eye[0] - (a * g + b * eye[v]) / workers - pull / workers * (eye[0] - eye[held])
         buffers = sum(step[1 + j] for j in range(workers))
         step[held] = step[0] - ahead / workers * buffers / workers  # the reply
         enters = np.zeros(n)  # d(state) / d(g), row by row as above
@@ -117,6 +127,44 @@ def noise_floor(workers, h, a=1 + MU, ahead=0, fresh=False):
     return float(np.mean([cov[p, p] for p in points]))
 
 
+def horizon_loss(workers, h, rounds=600, noise=1.0, **rule):
+    """E[theta^2] after `rounds` rounds from theta = 1 (buffers 0, every worker holding 1),
+    each gradient h (theta_held + xi) with xi of variance N * noise (batch B / N): how far
+    SGD has come (bias) and where its noise keeps it (variance), together."""
+    steps, enters = per_worker_steps(workers, h, **rule)
+    n = len(steps[0])
+    round_map, q = in_turn(steps), np.zeros((n, n))
+    for i, e in enumerate(enters):
+        for step in steps[i + 1:]:
+            e = step @ e
+        q += workers * noise * h * h * np.outer(e, e)
+    mean, cov = np.zeros(n), np.zeros((n, n))
+    mean[0], mean[1 + workers:] = 1.0, 1.0
+    for _ in range(rounds):
+        mean, cov = round_map @ mean, round_map @ cov @ round_map.T + q
+        if cov[0, 0] > 1e12:  # diverged
+            return np.inf
+    return mean[0] ** 2 + cov[0, 0]
+
+
+def pull_report(pulls=(0.0, 0.2, 0.4, 0.6, 0.8), hs=np.geomspace(1e-4, 0.6, 16)):
+    """The finite-horizon loss relative to one process's, per worker count and pull: its
+    geometric mean over the spectrum and over its 4 sharpest directions."""
+    one = np.array([horizon_loss(1, h) for h in hs])
+    print("The pull (--pull P): the loss after 600 rounds relative to one process's, geometric "
+          f"mean over h = {hs[0]:g}..{hs[-1]:g} (16 directions) / over the 4 sharpest "
+          f"(h >= {hs[-4]:.2f}):")
+    for workers in (2, 4, 8):
+        cells = []
+        for p in pulls:
+            r = np.array([horizon_loss(workers, h, ahead=workers - 1, pull=p) for h in hs]) / one
+            cells.append(f"P {p:g}: {np.exp(np.mean(np.log(r))):.3f} "
+                         f"/ {np.exp(np.mean(np.log(r[-4:]))):.2f}")
+        fresh = np.array([horizon_loss(workers, h, fresh=True) for h in hs]) / one
+        print(f"  {workers} workers  " + "   ".join(cells) +
+              f"   (nothing stale: {np.exp(np.mean(np.log(fresh))):.3f})")
+
+
 def main():
     print("The slides' rule (one buffer, full rate), largest stable h = lr * lambda:")
     edges = {delay: edge(slides_rule(delay)) for delay in (0, 1, 3, 7)}
@@ -157,6 +205,7 @@ def main():
     ratios = [noise_floor(4, h, a, k) / o for h, o in zip(hs, one)]
     print(f"  4 workers, the best split and extrapolation for h <= {hs[2]} (a = {a:.2f}, K = "
           f"{k:.2f}):", " ".join(f"{r:5.2f}" for r in ratios))
+    pull_report()
 
 
 if __name__ == "__main__":

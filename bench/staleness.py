@@ -88,6 +88,11 @@ class Rule:
         self.total = zeros()  # dana: the sum of every worker's buffer
         self.sent = {}
         self.smooth = zeros() if args.ahead_smooth else None  # --ahead-smooth
+        # --pull P: each update also moves the parameters P / N of the way back to where the
+        # worker computed its gradient (not the head's with --fresh-head: its gradient is fresh)
+        names = [name for name, _ in server.named_parameters()]
+        self.pulled = [not (args.fresh_head and name.startswith("fc.")) for name in names]
+        self.n_workers = n_workers
         if correction == "dc":
             self.mean_square = zeros()
         if correction == "ga":
@@ -156,6 +161,10 @@ class Rule:
                 gap = (p - old).abs() / (c + 1e-12)  # in typical steps
                 g.div_(gap.add_(1.0) if self.args.ga_form == "plus" else gap.clamp_(min=1.0))
         before = [p.clone() for p in self.params] if self.correction == "ga" else None
+        if self.args.pull and self.style != "sync":  # measured before this update moves theta
+            pull = self.args.pull / self.n_workers
+            gaps = [(p - old) if on else None
+                    for p, old, on in zip(self.params, self.sent[worker], self.pulled)]
         v = self.v[worker if self.per_worker else 0]
         for p, g, vi, tot, wd in zip(self.params, grads, v, self.total, self.decay):
             if wd:
@@ -176,6 +185,10 @@ class Rule:
                 # one buffer per worker, as async_sgd_cifar100.py)
                 vi.mul_(self.mu).add_(g)
                 p.sub_(g.add(vi, alpha=self.mu), alpha=lr)
+        if self.args.pull and self.style != "sync":
+            for p, gap in zip(self.params, gaps):
+                if gap is not None:
+                    p.sub_(gap, alpha=pull)
         if before is not None:
             moved = [(p - b).abs() for p, b in zip(self.params, before)]
             if self.step_size is None:
@@ -363,6 +376,10 @@ def make_parser():
     p.add_argument("--ahead-smooth", type=float, default=0.0, metavar="BETA",
                    help="--extra-ahead along a running mean (decay BETA per update) of the sum "
                         "of the buffers instead of the sum itself")
+    p.add_argument("--pull", type=float, default=0.0, metavar="P",
+                   help="each update also moves the parameters P / N of the way back to the "
+                        "ones the worker computed its gradient on (not the head's with "
+                        "--fresh-head); 0: off")
     p.add_argument("--ga-form", choices=["max", "plus"], default="max",
                    help="gap-aware divisor: max(1, gap) or 1 + gap (gap in typical steps)")
     p.add_argument("--ga-beta", type=float, default=0.99,

@@ -50,6 +50,7 @@ SYNC_END_TO_END_3 = BUGS + "test_sync_sgd_logs_the_accuracy_of_the_model_it_save
 EVALUATION = BUGS + ("test_evaluation_is_the_same_at_every_test_batch_size_and_leaves_the_"
                      "model_alone")
 RESUME = "tests/test_scripts.py::test_resume_continues_where_it_stopped"
+PULL = BUGS + "test_async_server_pulls_back_towards_where_each_gradient_was_computed"
 
 MUTANTS = [
     # ------------------------------------------------------------------------- evaluation
@@ -297,6 +298,31 @@ MUTANTS = [
             "step",),
            "the worker sends its labels out of step with its features: the server's head "
            "gradient is for other labels"),
+    Mutant("async-pull-pushes-away", "async_sgd_cifar100.py",
+           "            self.theta.sub_(self.gap, alpha=self.pull)",
+           "            self.theta.add_(self.gap, alpha=self.pull)",
+           (PULL,),
+           "--pull's sign flipped: each update pushes the parameters further from where its "
+           "gradient was computed, amplifying what it should damp"),
+    Mutant("async-pull-on-the-head", "async_sgd_cifar100.py",
+           "torch.sub(self.theta, self.sent[worker], out=self.gap).mul_(self.pulled)",
+           "torch.sub(self.theta, self.sent[worker], out=self.gap)",
+           (PULL,),
+           "the head is pulled too, though its gradient is computed at the current parameters "
+           "(--fresh-head): it is dragged back for nothing"),
+    Mutant("async-pull-measured-after-the-step", "async_sgd_cifar100.py",
+           "        if self.pull:  # how far the parameters moved since this worker's were sent\n"
+           "            torch.sub(self.theta, self.sent[worker], out=self.gap).mul_(self.pulled)\n",
+           "",
+           (PULL,),
+           "the gap is taken from the buffer's old contents (the last update's gap, or "
+           "garbage), not from this worker's parameters"),
+    Mutant("async-pull-from-another-worker", "async_sgd_cifar100.py",
+           "torch.sub(self.theta, self.sent[worker], out=self.gap)",
+           "torch.sub(self.theta, self.sent[self.workers[0]], out=self.gap)",
+           (PULL,),
+           "every update is pulled towards the first worker's parameters instead of its own "
+           "worker's"),
 ]
 
 

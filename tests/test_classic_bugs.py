@@ -588,6 +588,55 @@ def test_async_server_replies_with_the_parameters_extrapolated_over_the_updates_
                 assert ahead == 0 or (sent[-1][1][1:] - server.theta).abs().max() > 1e-4
 
 
+def test_async_server_pulls_back_towards_where_each_gradient_was_computed(monkeypatch):
+    """--pull P: after its Nesterov step, each update moves the parameters P / N of the way
+    back to the parameters its worker computed the gradient on (the reply it was sent,
+    extrapolated), measured before the step.  Two workers, the reply extrapolated (the
+    default): worker 2's first gradient was computed at theta_0, worker 1's second at the
+    reply to its first."""
+    sent = {}
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
+                        lambda tensor, dst: sent.update({dst: tensor[1:].clone()}) or _Done())
+    server, args = _server(0, "--pull", "0.4")
+    decay = torch.tensor([args.weight_decay] * 12 + [0.0] * 3)
+    theta0 = server.theta.clone()
+    held = {1: theta0, 2: theta0}  # every worker starts from theta_0
+    v = torch.zeros(2, 15)
+    torch.manual_seed(1)
+    for worker in (1, 2, 1, 1, 2):
+        g, theta, lr = torch.randn(15), server.theta.clone(), server.lr()
+        server.apply(worker, _gradient_message(g.clone()))
+        d = g + decay * theta
+        v[worker - 1] = 0.9 * v[worker - 1] + d
+        expected = theta - lr * (d + 0.9 * v[worker - 1]) - 0.2 * (theta - held[worker])
+        assert torch.allclose(server.theta, expected, atol=1e-6), \
+            (worker, (server.theta - expected).abs().max())
+        assert worker == 1 and torch.equal(theta, held[1]) or \
+            (theta - held[worker]).abs().max() > 1e-3  # so the pull is seen
+        server.reply(worker, async_sgd_cifar100.CONTINUE)
+        held[worker] = sent[worker]
+
+    # --fresh-head: the head's gradient is computed at the current parameters, so the head
+    # is not pulled; the body is
+    def server_with(pull):  # the same initial weights for both
+        torch.manual_seed(2)
+        model = nn.Sequential(OrderedDict(body=nn.Linear(4, 5), fc=nn.Linear(5, 3)))
+        return _server(0, "--pull", pull, "--batch-size", "4", model=model,
+                       fresh_head=True)[0]
+
+    pulled, unpulled = server_with("0.4"), server_with("0")
+    features, labels = torch.randn(2, 5), torch.tensor([2, 0])
+    head = torch.cat([features.reshape(-1), labels.float()])  # 2 samples, the slot's size
+    for worker in (1, 2):  # worker 2's gradient is one update stale
+        message = torch.cat([torch.tensor([async_sgd_cifar100.GRADIENT, 2.0, 1.0, 5.0]),
+                             torch.randn(43), head])
+        pulled.apply(worker, message.clone())
+        unpulled.apply(worker, message.clone())
+    gap = pulled.theta - unpulled.theta
+    assert gap[:25].abs().max() > 1e-4  # the body
+    assert torch.equal(gap[25:], torch.zeros(18))  # the head (fc's weight and bias)
+
+
 def test_async_server_computes_the_heads_gradient_at_its_current_parameters(monkeypatch):
     """--fresh-head (the default): the head's (fc's) gradient that comes in a message is stale
     like the rest; the server replaces it by the head's gradient at its current parameters,
