@@ -33,6 +33,13 @@ where 256 ReLU channels are max-pooled), and stale head gradients made the train
 above ln(100) in the warm-up. Measured on the yardstick, the fresh head moves async SGD from
 4.9 to 2.7 points below sync with 4 workers (the extrapolated reply alone: from 5.7 to 4.9),
 from 2.7 to 1.1 with 2 and from 4.2 to 3.0 with 8; BENCHMARKS.md has the figures.
+Each update is also pulled back towards where its gradient was computed (--pull P, 0.2 by
+default): after its step, the parameters move P / N of the way back to the reply its worker
+computed on (the head excepted: its gradient is fresh). What the parameters moved beyond the
+reply's forecast is mostly the other workers' gradient noise; a fresh gradient would already
+push back against it, a stale one cannot, and in sharp directions the delayed feedback
+amplifies it. On a quadratic (bench/stability.py) the pull removes that amplification at a
+small cost in progress; on the yardstick 0.2 trains faster with 4 workers and 0.4 slower.
 --dc-lambda L (off by default) adds delay compensation (DC-ASGD, Zheng et al. 2017) before the
 step: the gradient, computed at the parameters theta_sent its worker was last sent, is moved to
 the current theta along a diagonal curvature estimate, g + L g * g * (theta - theta_sent) /
@@ -80,7 +87,7 @@ GRADIENT, DONE, STOPPING = 0.0, 1.0, 2.0
 HEADER = 4
 CONTINUE = 0.0
 DC_LAMBDA = 0.0  # delay compensation: off (BENCHMARKS.md, "Async SGD under staleness")
-PULL = 0.0  # the pull back to where each gradient was computed (BENCHMARKS.md)
+PULL = 0.2  # the pull back to where each gradient was computed (BENCHMARKS.md)
 
 
 class Layout:
@@ -280,10 +287,11 @@ class Server:
                                                                   self.updates_per_epoch)
 
     def apply(self, worker, message):
-        """The update rule: worker i's gradient (with --dc-lambda, compensated for the updates
-        since its worker was sent parameters) moves its own momentum buffer, and the
-        parameters by torch's Nesterov step (weight decay on conv and linear weights is part
-        of the gradient)."""
+        """The update rule: worker i's gradient (its head part recomputed at the current
+        parameters; with --dc-lambda, compensated for the updates since its worker was sent
+        parameters) moves its own momentum buffer, and the parameters by torch's Nesterov step
+        (weight decay on conv and linear weights is part of the gradient); then --pull moves
+        the parameters P / N of the way back to where the gradient was computed."""
         samples, correct, loss_sum = message[1:HEADER].tolist()
         gradient, buffers, features, labels = self.layout.unpack(
             message.to(self.theta.device), int(samples))
@@ -489,9 +497,9 @@ def parse_args(argv=None):
                         "expected staleness; 0: theta as it is)")
     g.add_argument("--pull", type=float, default=PULL, metavar="P",
                    help="each update also moves the parameters P / N of the way back to the "
-                        "ones its worker computed the gradient on, which damps the other "
-                        "workers' moves that the reply did not foresee (default %(default)g; "
-                        "0: off)")
+                        "ones its worker computed the gradient on (the head excepted), which "
+                        "damps the other workers' moves that the reply did not foresee "
+                        "(default %(default)g; 0: off; 0.4 measured slower)")
     g.add_argument("--fresh-head", action=argparse.BooleanOptionalAction, default=True,
                    help="the server recomputes the head's (fc) gradient at its current "
                         "parameters from the features and labels each worker sends, so that "

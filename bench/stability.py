@@ -147,7 +147,7 @@ def horizon_loss(workers, h, rounds=600, noise=1.0, **rule):
     return mean[0] ** 2 + cov[0, 0]
 
 
-def pull_report(pulls=(0.0, 0.2, 0.4, 0.6, 0.8), hs=np.geomspace(1e-4, 0.6, 16)):
+def pull_report(pulls=(0.0, 0.1, 0.2, 0.4, 0.6), hs=np.geomspace(1e-4, 0.6, 16)):
     """The finite-horizon loss relative to one process's, per worker count and pull: its
     geometric mean over the spectrum and over its 4 sharpest directions."""
     one = np.array([horizon_loss(1, h) for h in hs])

@@ -113,3 +113,21 @@ def test_drift_probe_prints_its_measurements():
         assert cells[1] == "2"  # probed after the first epoch only
         ratio = float(cells[3])  # |d| / |g|: the stale gradient differs, but not wildly
         assert 0.0 < ratio < 10.0, cells
+
+
+def test_simulator_pull(tmp_path):
+    """--pull P moves each update P / N of the way back to where its gradient was computed:
+    0 is the rule without it, step for step; with 1 worker there is no gap (its gradient is
+    computed at the current parameters), so nothing changes; with 2 workers it trains
+    differently."""
+    out = tmp_path / "results.jsonl"
+    one = ["--rule", "nesterov", "--workers", "1", "--no-amp"]
+    two = ["--rule", "nesterov", "--extra-ahead", "0.5", "--fresh-head"]
+    for argv in (one, [*one, "--pull", "0.5"], two, [*two, "--pull", "0"],
+                 [*two, "--pull", "0.5"]):
+        ok(run_bench("staleness.py", *TINY, *argv, "--json", str(out)))
+    runs = [json.loads(line)["train_loss"] for line in out.read_text().splitlines()]
+    one_plain, one_pulled, two_plain, two_zero, two_pulled = runs
+    assert one_pulled == one_plain
+    assert two_zero == two_plain
+    assert two_pulled != two_plain

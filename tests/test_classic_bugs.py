@@ -488,8 +488,9 @@ def test_async_workers_split_the_training_set_and_reshard_it_each_epoch(tmp_path
 
 
 def _server(dc_lambda, *flags, workers=2, model=None, fresh_head=False):
+    # --pull 0: each test pins its own part of the rule (a test's own --pull comes later)
     args = async_sgd_cifar100.parse_args(["--lr", "0.2", "--epochs", "2", "--warmup-epochs", "0",
-                                          "--dc-lambda", str(dc_lambda), *flags,
+                                          "--pull", "0", "--dc-lambda", str(dc_lambda), *flags,
                                           "--fresh-head" if fresh_head else "--no-fresh-head"])
     torch.manual_seed(0)
     model = model or nn.Sequential(nn.Linear(4, 3))
