@@ -257,11 +257,10 @@ class Server:
         self.pull = args.pull / n_workers if n_workers > 1 else 0.0
         if self.pull:
             self.gap = torch.empty_like(self.theta)  # preallocated, as delay compensation's
-            self.pulled = torch.ones_like(self.theta)  # 0 on the head with --fresh-head: its
-            if args.fresh_head:  # gradient is computed at the current parameters already
-                for start, tensor in ((self.layout.head_weight, model.fc.weight),
-                                      (self.layout.head_bias, model.fc.bias)):
-                    self.pulled[start:start + tensor.numel()] = 0.0
+            # not the head with --fresh-head: its gradient is computed at the current parameters
+            self.unpulled = [slice(start, start + tensor.numel()) for start, tensor in
+                             ((self.layout.head_weight, model.fc.weight),
+                              (self.layout.head_bias, model.fc.bias))] if args.fresh_head else []
         self.sent = {}  # --pull, --dc-lambda: the parameters each worker computes on
         if args.dc_lambda or self.pull:
             for w in self.workers:  # every worker starts from theta
@@ -305,7 +304,9 @@ class Server:
             gradient.addcdiv_(moved.mul_(gradient).mul_(gradient), root,
                               value=self.args.dc_lambda)
         if self.pull:  # how far the parameters moved since this worker's were sent
-            torch.sub(self.theta, self.sent[worker], out=self.gap).mul_(self.pulled)
+            torch.sub(self.theta, self.sent[worker], out=self.gap)
+            for head in self.unpulled:
+                self.gap[head] = 0.0
         gradient.addcmul_(self.decay, self.theta)  # g + weight decay * theta
         v = self.v[worker]
         if self.ahead:

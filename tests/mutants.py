@@ -305,14 +305,13 @@ MUTANTS = [
            "--pull's sign flipped: each update pushes the parameters further from where its "
            "gradient was computed, amplifying what it should damp"),
     Mutant("async-pull-on-the-head", "async_sgd_cifar100.py",
-           "torch.sub(self.theta, self.sent[worker], out=self.gap).mul_(self.pulled)",
-           "torch.sub(self.theta, self.sent[worker], out=self.gap)",
+           "                self.gap[head] = 0.0\n",
+           "                pass\n",
            (PULL,),
            "the head is pulled too, though its gradient is computed at the current parameters "
            "(--fresh-head): it is dragged back for nothing"),
-    Mutant("async-pull-measured-after-the-step", "async_sgd_cifar100.py",
-           "        if self.pull:  # how far the parameters moved since this worker's were sent\n"
-           "            torch.sub(self.theta, self.sent[worker], out=self.gap).mul_(self.pulled)\n",
+    Mutant("async-pull-gap-never-measured", "async_sgd_cifar100.py",
+           "            torch.sub(self.theta, self.sent[worker], out=self.gap)\n",
            "",
            (PULL,),
            "the gap is taken from the buffer's old contents (the last update's gap, or "
