@@ -101,6 +101,19 @@ def in_turn(steps):
     return round_map
 
 
+def round_with_noise(steps, enters, variance):
+    """One round's matrix, and the covariance its N gradients' noise adds to the state by the
+    round's end: each gradient carries independent noise of `variance`, entering along its
+    `enters` direction and then carried through the updates after it in the round."""
+    n = len(steps[0])
+    round_map, q = in_turn(steps), np.zeros((n, n))
+    for i, e in enumerate(enters):
+        for step in steps[i + 1:]:
+            e = step @ e
+        q += variance * np.outer(e, e)
+    return round_map, q
+
+
 def per_worker_rule(workers, a=1 + MU, ahead=0, fresh=False):
     """One round of N updates of the script's rule, as one matrix (a function of h)."""
     def update(h):
@@ -112,13 +125,9 @@ def noise_floor(workers, h, a=1 + MU, ahead=0, fresh=False):
     """The stationary variance of the parameters the gradients are computed on, when each
     gradient carries independent noise of N times one process's variance (batch B / N): the
     loss SGD's noise keeps it at along a direction of curvature lambda (h = lr lambda)."""
-    steps, noise = per_worker_steps(workers, h, a, ahead, fresh)
+    steps, enters = per_worker_steps(workers, h, a, ahead, fresh)
     n = 1 + 2 * workers
-    round_map, q = in_turn(steps), np.zeros((n, n))
-    for i, e in enumerate(noise):  # carry update i's noise to the end of the round
-        for step in steps[i + 1:]:
-            e = step @ e
-        q += workers * np.outer(e, e)
+    round_map, q = round_with_noise(steps, enters, workers)
     if spectral_radius(round_map) >= 1.0:
         return np.inf
     # the fixed point of cov = M cov M^T + q
@@ -133,11 +142,7 @@ def horizon_loss(workers, h, rounds=600, noise=1.0, **rule):
     SGD has come (bias) and where its noise keeps it (variance), together."""
     steps, enters = per_worker_steps(workers, h, **rule)
     n = len(steps[0])
-    round_map, q = in_turn(steps), np.zeros((n, n))
-    for i, e in enumerate(enters):
-        for step in steps[i + 1:]:
-            e = step @ e
-        q += workers * noise * h * h * np.outer(e, e)
+    round_map, q = round_with_noise(steps, enters, workers * noise * h * h)
     mean, cov = np.zeros(n), np.zeros((n, n))
     mean[0], mean[1 + workers:] = 1.0, 1.0
     for _ in range(rounds):
