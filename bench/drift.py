@@ -58,12 +58,12 @@ def main(argv=None):
     n = a.workers
     # the simulator's defaults: the reply as it was (no --extra-ahead: the rule the figures
     # quoted were taken with), 6 epochs of global batch 64
-    args = staleness.make_parser().parse_args(["--lr", str(a.lr), "--epochs", "6",
-                                               "--batch-size", "64", "--global-batch"])
+    args = staleness.parse_args(["--lr", str(a.lr), "--epochs", "6", "--batch-size", "64",
+                                 "--global-batch"])
     train, _ = staleness.yardstick(a.train, 2000, 0)
     server, workers, loaders, rule = staleness.set_up(train, "nesterov", n, a.seed, args)
     probe = copy.deepcopy(server)  # the fp32 model both gradients are taken on
-    proc = Process("drift", "", torch.device("cpu"), True)
+    proc = Process("drift", "", torch.device("cpu"), args.amp)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
     mean_square = torch.zeros(sum(q.numel() for q in rule.params))
     print("update  epoch  lr/N     |d|/|g|   lambda, share explained:  g^2 delta  "

@@ -59,7 +59,7 @@ sys.path.insert(0, util.TESTS_DIR)  # the yardstick lives with the tests
 import torch  # noqa: E402
 
 from common import data, loader, training  # noqa: E402
-from common.process import Process  # noqa: E402
+from common.process import Process, default_amp  # noqa: E402
 from common.model import build_model  # noqa: E402
 from async_sgd_cifar100 import head_gradient  # noqa: E402
 
@@ -407,13 +407,22 @@ def make_parser():
                         "last window is shorter where ROUNDS does not divide it")
     p.add_argument("--train", type=int, default=5000)
     p.add_argument("--test", type=int, default=2000)
-    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast + channels_last (default: as the scripts on this CPU, "
+                        "on where it has native bf16; emulated bf16 is ~10x slower than fp32)")
     p.add_argument("--json", help="append each result as a JSON line here")
     return p
 
 
-def main(argv=None):
+def parse_args(argv=None):
     args = make_parser().parse_args(argv)
+    if args.amp is None:  # the scripts' default precision on this CPU
+        args.amp = default_amp(torch.device("cpu"))
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     # The rules step the LR schedule themselves (the optimizer only holds the LR).
     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))

@@ -131,3 +131,18 @@ def test_simulator_pull(tmp_path):
     assert one_pulled == one_plain
     assert two_zero == two_plain
     assert two_pulled != two_plain
+
+
+def test_simulator_computes_in_the_scripts_precision(monkeypatch):
+    """The simulator and the drift probe take the scripts' default precision: bf16 only on a
+    CPU with native bf16.  Forced on elsewhere, emulated bf16 made them ~10x slower than fp32
+    (an epoch of the simulator: 33 minutes instead of ~2), and measured another precision than
+    the real runs they stand for."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import staleness
+    from common import process
+    for native in (False, True):
+        monkeypatch.setattr(process, "cpu_has_native_bf16", lambda: native)
+        assert staleness.parse_args([]).amp is native
+        assert staleness.parse_args(["--amp"]).amp is True
+        assert staleness.parse_args(["--no-amp"]).amp is False
