@@ -86,6 +86,15 @@ def train(kind, processes, data_dir, cfg, seed):
     return rows, wall
 
 
+def machine():
+    """What moves a run besides its seed: the CPU, the torch build and the precision the
+    scripts choose on it (bf16 autocast on CPUs with native bf16, fp32 elsewhere)."""
+    import torch
+    from util import cpu_model, default_amp, precision_name
+    return {"cpu": cpu_model(), "torch": torch.__version__,
+            "precision": precision_name(default_amp("cpu"))}
+
+
 def runs(cfg):
     """(name, kind, processes, reference name) of every configuration."""
     out = [("one process", "one process", 1, None)]
@@ -180,6 +189,12 @@ def merge(paths):
         elif recipe != first:
             raise SystemExit(f"--merge: {path} ran {recipe}, {paths[0]} ran {first}; merge "
                              "only runs of the same yardstick and recipe")
+        here = {k: part["config"].get("machine", {}).get(k) for k in ("torch", "precision")}
+        if path == paths[0]:
+            first_machine = here
+        elif here != first_machine:  # another precision is another experiment, not a seed
+            raise SystemExit(f"--merge: {path} ran on {here}, {paths[0]} on {first_machine}; "
+                             "merge only runs of the same torch build and precision")
         for name, run_ in part["runs"].items():
             for seed, rows in run_["per_seed"].items():
                 if int(seed) in results.get(name, {}):
@@ -187,6 +202,9 @@ def merge(paths):
                                      f"(again in {path}); keep one")
                 results.setdefault(name, {})[int(seed)] = rows
     cfg["seeds"] = sorted({seed for per_seed in results.values() for seed in per_seed})
+    log(f"[5] merged {len(paths)} files: " + (
+        f"{first_machine['precision']}, torch {first_machine['torch']}"
+        if first_machine["precision"] else "machine not recorded (files from before it was)"))
     stats = summary(results)
     report(cfg, stats, {}, [name for name, *_ in runs(cfg)])
     return {"config": cfg, "runs": {name: {"per_seed": {str(k): v for k, v in per_seed.items()}}
@@ -203,6 +221,7 @@ def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=()):
     cfg["epochs"] = epochs or cfg["epochs"]
     cfg["async_flags"] = list(async_flags)
     cfg["flags"] = list(flags)
+    cfg["machine"] = machine()
     chosen = [r for r in runs(cfg) if names is None or r[0] in names]
     if names is not None and len(chosen) != len(names):
         raise SystemExit(f"--runs: choose among {[r[0] for r in runs(cfg)]}")
@@ -211,7 +230,8 @@ def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=()):
         make_yardstick(data_dir, cfg["n_train"], cfg["n_test"])
         log(f"[5] yardstick: {cfg['n_train']} training / {cfg['n_test']} test images, 100 "
             f"classes; {cfg['epochs']} epochs, global batch {cfg['batch']}, lr {cfg['lr']}, "
-            f"seeds {list(cfg['seeds'])}" +
+            f"seeds {list(cfg['seeds'])}; {cfg['machine']['precision']} on "
+            f"{cfg['machine']['cpu']}, torch {cfg['machine']['torch']}" +
             (f", every run with {' '.join(cfg['flags'])}" if cfg["flags"] else "") +
             (f", async runs with {' '.join(cfg['async_flags'])}" if cfg["async_flags"] else ""))
         for seed in cfg["seeds"]:  # every configuration once per seed, in turn

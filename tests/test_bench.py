@@ -146,3 +146,31 @@ def test_simulator_computes_in_the_scripts_precision(monkeypatch):
         assert staleness.parse_args([]).amp is native
         assert staleness.parse_args(["--amp"]).amp is True
         assert staleness.parse_args(["--no-amp"]).amp is False
+
+
+def test_convergence_merge_pools_seeds_of_one_precision_only(monkeypatch, tmp_path):
+    """bench/convergence.py --merge pools seeds run at different times, but refuses runs of
+    another precision or torch build: bf16 on one CPU and fp32 on another move a seed's final
+    accuracy by points, which pooled would pass for seed-to-seed spread."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import pytest
+    import convergence
+
+    def part(name, seed, acc, precision):
+        rows = [{"epoch": 1.0, "test_acc": acc, "train_loss": 2.0}]
+        config = dict(n_train=64, n_test=32, epochs=1, batch=8, lr=0.1, flags=[],
+                      async_flags=[], seeds=[seed], sync=[2], workers=[2],
+                      machine={"cpu": "x", "torch": "2.0", "precision": precision})
+        path = tmp_path / f"{name}-{seed}-{precision}.json"
+        path.write_text(json.dumps({"config": config,
+                                    "runs": {name: {"per_seed": {str(seed): rows}}}}))
+        return str(path)
+
+    pooled = convergence.merge([part("sync, 2 ranks", 0, 40.0, "fp32"),
+                                part("sync, 2 ranks", 1, 44.0, "fp32"),
+                                part("async, 2 workers", 0, 41.0, "fp32")])
+    assert pooled["summary"]["sync, 2 ranks"]["finals"] == [40.0, 44.0]
+    assert pooled["summary"]["sync, 2 ranks"]["final_mean"] == 42.0
+    with pytest.raises(SystemExit, match="same torch build and precision"):
+        convergence.merge([part("sync, 2 ranks", 2, 40.0, "fp32"),
+                           part("sync, 2 ranks", 3, 44.0, "bf16 autocast + channels_last")])
