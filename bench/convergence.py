@@ -184,14 +184,12 @@ def merge(paths):
         with open(path) as f:
             part = json.load(f)
         recipe = {k: part["config"].get(k, []) for k in same}
+        here = {k: part["config"].get("machine", {}).get(k) for k in ("torch", "precision")}
         if cfg is None:
-            cfg, first = dict(part["config"]), recipe
+            cfg, first, first_machine = dict(part["config"]), recipe, here
         elif recipe != first:
             raise SystemExit(f"--merge: {path} ran {recipe}, {paths[0]} ran {first}; merge "
                              "only runs of the same yardstick and recipe")
-        here = {k: part["config"].get("machine", {}).get(k) for k in ("torch", "precision")}
-        if path == paths[0]:
-            first_machine = here
         elif here != first_machine:  # another precision is another experiment, not a seed
             raise SystemExit(f"--merge: {path} ran on {here}, {paths[0]} on {first_machine}; "
                              "merge only runs of the same torch build and precision")
