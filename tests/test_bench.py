@@ -10,7 +10,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from helpers import ROOT, child_env, ok
+
+pytestmark = pytest.mark.slow  # trains for minutes: scheduled first (conftest.py)
 
 TIMEOUT = 300
 # The simulator on tiny sizes: 2 workers, 128 images, batch 8 each, one epoch (8 rounds)
@@ -22,6 +26,19 @@ def run_bench(script, *argv):
     return subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *argv],
                           capture_output=True, text=True, cwd=ROOT, timeout=TIMEOUT,
                           env=child_env(BENCH_THREADS="1"))
+
+
+_SIMULATED = {}
+
+
+def simulate(tmp_path_factory, *argv):
+    """One run of the simulator on TINY sizes (its JSON record), each run once per session:
+    the tests below share some."""
+    if argv not in _SIMULATED:
+        out = tmp_path_factory.mktemp("simulate") / "results.jsonl"
+        ok(run_bench("staleness.py", *TINY, *argv, "--json", str(out)))
+        _SIMULATED[argv] = json.loads(out.read_text())
+    return _SIMULATED[argv]
 
 
 def test_stability_and_noise_floor_say_what_benchmarks_md_quotes():
@@ -85,19 +102,17 @@ def test_simulator_lookahead_extrapolates_as_far_as_ahead_says(tmp_path):
     assert ahead_1["train_loss"] != plain["train_loss"], (ahead_1, plain)
 
 
-def test_simulator_fresh_head_and_fresh_only(tmp_path):
+def test_simulator_fresh_head_and_fresh_only(tmp_path_factory):
     """--fresh-head recomputes the head's gradient at the server's parameters: with 1 worker
     (nothing stale, fp32) that is the worker's own gradient, step for step; with 2 workers it
     trains differently.  --fresh-only with every module's prefix is --fresh; with fc. alone
     it is neither the stale run nor --fresh."""
-    out = tmp_path / "results.jsonl"
-    one = ["--rule", "nesterov", "--workers", "1", "--no-amp"]
-    two = ["--rule", "nesterov", "--extra-ahead", "0.5"]
-    every = ["conv1.", "bn1.", "conv2_x.", "conv3_x.", "conv4_x.", "conv5_x.", "fc."]
-    for argv in (one, [*one, "--fresh-head"], two, [*two, "--fresh-head"], [*two, "--fresh"],
-                 [*two, "--fresh-only", *every], [*two, "--fresh-only", "fc."]):
-        ok(run_bench("staleness.py", *TINY, *argv, "--json", str(out)))
-    runs = [json.loads(line)["train_loss"] for line in out.read_text().splitlines()]
+    one = ("--rule", "nesterov", "--workers", "1", "--no-amp")
+    two = ("--rule", "nesterov", "--extra-ahead", "0.5")
+    every = ("conv1.", "bn1.", "conv2_x.", "conv3_x.", "conv4_x.", "conv5_x.", "fc.")
+    runs = [simulate(tmp_path_factory, *argv)["train_loss"] for argv in (
+        one, (*one, "--fresh-head"), two, (*two, "--fresh-head"), (*two, "--fresh"),
+        (*two, "--fresh-only", *every), (*two, "--fresh-only", "fc."))]
     one_stale, one_head, two_stale, two_head, fresh, all_fresh, fc_fresh = runs
     assert one_head == one_stale
     assert two_head != two_stale
@@ -115,18 +130,15 @@ def test_drift_probe_prints_its_measurements():
         assert 0.0 < ratio < 10.0, cells
 
 
-def test_simulator_pull(tmp_path):
+def test_simulator_pull(tmp_path_factory):
     """--pull P moves each update P / N of the way back to where its gradient was computed:
     0 is the rule without it, step for step; with 1 worker there is no gap (its gradient is
     computed at the current parameters), so nothing changes; with 2 workers it trains
     differently."""
-    out = tmp_path / "results.jsonl"
-    one = ["--rule", "nesterov", "--workers", "1", "--no-amp"]
-    two = ["--rule", "nesterov", "--extra-ahead", "0.5", "--fresh-head"]
-    for argv in (one, [*one, "--pull", "0.5"], two, [*two, "--pull", "0"],
-                 [*two, "--pull", "0.5"]):
-        ok(run_bench("staleness.py", *TINY, *argv, "--json", str(out)))
-    runs = [json.loads(line)["train_loss"] for line in out.read_text().splitlines()]
+    one = ("--rule", "nesterov", "--workers", "1", "--no-amp")
+    two = ("--rule", "nesterov", "--extra-ahead", "0.5", "--fresh-head")
+    runs = [simulate(tmp_path_factory, *argv)["train_loss"] for argv in (
+        one, (*one, "--pull", "0.5"), two, (*two, "--pull", "0"), (*two, "--pull", "0.5"))]
     one_plain, one_pulled, two_plain, two_zero, two_pulled = runs
     assert one_pulled == one_plain
     assert two_zero == two_plain
@@ -153,7 +165,6 @@ def test_convergence_merge_pools_seeds_of_one_precision_only(monkeypatch, tmp_pa
     another precision or torch build: bf16 on one CPU and fp32 on another move a seed's final
     accuracy by points, which pooled would pass for seed-to-seed spread."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
-    import pytest
     import convergence
 
     def part(name, seed, acc, precision):

@@ -15,6 +15,8 @@ import pytest
 from helpers import ROOT, child_env
 from yardstick import make_cifar100_yardstick
 
+pytestmark = pytest.mark.slow  # trains for minutes: scheduled first (conftest.py)
+
 TIMEOUT = 600
 # A small yardstick and a short recipe (the scripts' defaults scaled to batch 32): a few
 # minutes on 2 cores for the whole file.
@@ -43,22 +45,23 @@ def mpirun(n, script):
     return ["mpirun", "-np", str(n), sys.executable, script]
 
 
-def test_the_yardstick_is_learnable_but_not_at_once(yardstick, tmp_path):
-    """One process: the test accuracy climbs from near chance to well above it, and stays
-    well below 100% -- the room in which a worse update rule shows."""
-    rows = train([sys.executable, "resnet_cifar100.py"], yardstick, tmp_path / "out")
-    chance = 100.0 / CLASSES
-    accuracy = [r["test_acc"] for r in rows]
-    assert accuracy[-1] > 3 * chance, accuracy
-    assert accuracy[-1] < 85.0, accuracy
-    assert accuracy[0] < accuracy[-1] - 10.0, accuracy
-    assert rows[-1]["train_loss"] < rows[0]["train_loss"] - 0.3, rows
-
-
 @pytest.fixture(scope="module")
 def sync_rows(yardstick, tmp_path_factory):
     out = tmp_path_factory.mktemp("sync") / "out"
     return train(mpirun(2, "sync_sgd_cifar100.py"), yardstick, out)
+
+
+def test_the_yardstick_is_learnable_but_not_at_once(sync_rows):
+    """The test accuracy climbs from near chance to well above it, and stays well below 100%:
+    the room in which a worse update rule shows.  Measured on the sync SGD run that the async
+    test compares with (one process's recipe and global batch, split over 2 ranks), so that
+    CI trains on the yardstick twice, not three times."""
+    chance = 100.0 / CLASSES
+    accuracy = [r["test_acc"] for r in sync_rows]
+    assert accuracy[-1] > 3 * chance, accuracy
+    assert accuracy[-1] < 85.0, accuracy
+    assert accuracy[0] < accuracy[-1] - 10.0, accuracy
+    assert sync_rows[-1]["train_loss"] < sync_rows[0]["train_loss"] - 0.3, sync_rows
 
 
 @pytest.fixture(scope="module")
