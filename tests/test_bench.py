@@ -28,17 +28,19 @@ def run_bench(script, *argv):
                           env=child_env(BENCH_THREADS="1"))
 
 
-_SIMULATED = {}
+@pytest.fixture(scope="module")
+def simulate(tmp_path_factory):
+    """simulate(*argv): one run of the simulator on TINY sizes, its JSON record; each
+    configuration runs once per module, since the tests below share some."""
+    records = {}
 
-
-def simulate(tmp_path_factory, *argv):
-    """One run of the simulator on TINY sizes (its JSON record), each run once per session:
-    the tests below share some."""
-    if argv not in _SIMULATED:
-        out = tmp_path_factory.mktemp("simulate") / "results.jsonl"
-        ok(run_bench("staleness.py", *TINY, *argv, "--json", str(out)))
-        _SIMULATED[argv] = json.loads(out.read_text())
-    return _SIMULATED[argv]
+    def run(*argv):
+        if argv not in records:
+            out = tmp_path_factory.mktemp("simulate") / "results.jsonl"
+            ok(run_bench("staleness.py", *TINY, *argv, "--json", str(out)))
+            records[argv] = json.loads(out.read_text())
+        return records[argv]
+    return run
 
 
 def test_stability_and_noise_floor_say_what_benchmarks_md_quotes():
@@ -89,20 +91,17 @@ def test_staleness_simulator_runs_every_reply(tmp_path):
     assert "train_loss_every" not in results[0]
 
 
-def test_simulator_lookahead_extrapolates_as_far_as_ahead_says(tmp_path):
+def test_simulator_lookahead_extrapolates_as_far_as_ahead_says(simulate):
     """--ahead 0 replies the parameters as they are: the slides' rule (`plain`), step for step;
     the default (workers - 1 updates) replies elsewhere and trains differently."""
-    out = tmp_path / "results.jsonl"
-    for argv in (["--rule", "plain"], ["--rule", "lookahead", "--ahead", "0"],
-                 ["--rule", "lookahead"]):
-        ok(run_bench("staleness.py", *TINY, *argv, "--json", str(out)))
-    plain, ahead_0, ahead_1 = [json.loads(line) for line in out.read_text().splitlines()]
+    plain, ahead_0, ahead_1 = [simulate(*argv) for argv in (
+        ("--rule", "plain"), ("--rule", "lookahead", "--ahead", "0"), ("--rule", "lookahead"))]
     assert ahead_0["ahead"] == 0 and ahead_1["ahead"] is None
     assert ahead_0["train_loss"] == plain["train_loss"], (ahead_0, plain)
     assert ahead_1["train_loss"] != plain["train_loss"], (ahead_1, plain)
 
 
-def test_simulator_fresh_head_and_fresh_only(tmp_path_factory):
+def test_simulator_fresh_head_and_fresh_only(simulate):
     """--fresh-head recomputes the head's gradient at the server's parameters: with 1 worker
     (nothing stale, fp32) that is the worker's own gradient, step for step; with 2 workers it
     trains differently.  --fresh-only with every module's prefix is --fresh; with fc. alone
@@ -110,7 +109,7 @@ def test_simulator_fresh_head_and_fresh_only(tmp_path_factory):
     one = ("--rule", "nesterov", "--workers", "1", "--no-amp")
     two = ("--rule", "nesterov", "--extra-ahead", "0.5")
     every = ("conv1.", "bn1.", "conv2_x.", "conv3_x.", "conv4_x.", "conv5_x.", "fc.")
-    runs = [simulate(tmp_path_factory, *argv)["train_loss"] for argv in (
+    runs = [simulate(*argv)["train_loss"] for argv in (
         one, (*one, "--fresh-head"), two, (*two, "--fresh-head"), (*two, "--fresh"),
         (*two, "--fresh-only", *every), (*two, "--fresh-only", "fc."))]
     one_stale, one_head, two_stale, two_head, fresh, all_fresh, fc_fresh = runs
@@ -130,14 +129,14 @@ def test_drift_probe_prints_its_measurements():
         assert 0.0 < ratio < 10.0, cells
 
 
-def test_simulator_pull(tmp_path_factory):
+def test_simulator_pull(simulate):
     """--pull P moves each update P / N of the way back to where its gradient was computed:
     0 is the rule without it, step for step; with 1 worker there is no gap (its gradient is
     computed at the current parameters), so nothing changes; with 2 workers it trains
     differently."""
     one = ("--rule", "nesterov", "--workers", "1", "--no-amp")
     two = ("--rule", "nesterov", "--extra-ahead", "0.5", "--fresh-head")
-    runs = [simulate(tmp_path_factory, *argv)["train_loss"] for argv in (
+    runs = [simulate(*argv)["train_loss"] for argv in (
         one, (*one, "--pull", "0.5"), two, (*two, "--pull", "0"), (*two, "--pull", "0.5"))]
     one_plain, one_pulled, two_plain, two_zero, two_pulled = runs
     assert one_pulled == one_plain
