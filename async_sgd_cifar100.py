@@ -87,6 +87,7 @@ HEADER = 4
 CONTINUE = 0.0
 DC_LAMBDA = 0.0  # delay compensation: off (BENCHMARKS.md, "Async SGD under staleness")
 PULL = 0.0  # --pull: off, measured no better on average (BENCHMARKS.md)
+PULL_FROM = 2  # --pull-from: only gradients 2 or more updates stale are pulled
 
 
 class Layout:
@@ -302,7 +303,9 @@ class Server:
             torch.sqrt(self.mean_square, out=root).add_(1e-7)
             gradient.addcdiv_(moved.mul_(gradient).mul_(gradient), root,
                               value=self.args.dc_lambda)
-        if self.pull:  # how far the parameters moved since this worker's were sent
+        staleness = self.version - self.sent_version[worker]
+        pull = self.pull if staleness >= self.args.pull_from else 0.0  # --pull-from S
+        if pull:  # how far the parameters moved since this worker's were sent
             torch.sub(self.theta, self.sent[worker], out=self.gap)
             for head in self.unpulled:
                 self.gap[head] = 0.0
@@ -314,10 +317,10 @@ class Server:
         if self.ahead:
             self.v_total.add_(v)
         self.theta.sub_(gradient.add_(v, alpha=self.mu), alpha=self.lr())  # - lr (g + mu v_i)
-        if self.pull:  # back towards where the gradient was computed, P / N of the way
-            self.theta.sub_(self.gap, alpha=self.pull)
+        if pull:  # back towards where the gradient was computed, P / N of the way
+            self.theta.sub_(self.gap, alpha=pull)
         self.statistics[worker] = buffers.clone()  # its latest BatchNorm statistics
-        self.staleness.append(self.version - self.sent_version[worker])
+        self.staleness.append(staleness)
         self.version += 1
         self.applied[worker] += 1
         self.totals = [self.totals[0] + loss_sum, self.totals[1] + correct,
@@ -500,6 +503,9 @@ def parse_args(argv=None):
                         "ones its worker computed the gradient on (the head excepted), which "
                         "damps the other workers' moves that the reply did not foresee "
                         "(default %(default)g: off; 0.2 measured level on average, 0.4 slower)")
+    g.add_argument("--pull-from", type=int, default=PULL_FROM, metavar="S",
+                   help="pull only the gradients at least S updates stale (default "
+                        "%(default)d: not those one update late, the most with 2 workers)")
     g.add_argument("--fresh-head", action=argparse.BooleanOptionalAction, default=True,
                    help="the server recomputes the head's (fc) gradient at its current "
                         "parameters from the features and labels each worker sends, so that "
@@ -511,7 +517,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     for flag, value in (("--dc-lambda", args.dc_lambda), ("--ahead", args.ahead),
-                        ("--pull", args.pull)):
+                        ("--pull", args.pull), ("--pull-from", args.pull_from)):
         if value is not None and value < 0:
             raise UserError(f"{flag} {value:g} is negative; use 0 (off) or more")
     if args.pull > 1:  # over a round of N updates the pull would overshoot the gap

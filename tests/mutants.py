@@ -51,6 +51,7 @@ EVALUATION = BUGS + ("test_evaluation_is_the_same_at_every_test_batch_size_and_l
                      "model_alone")
 RESUME = "tests/test_scripts.py::test_resume_continues_where_it_stopped"
 PULL = BUGS + "test_async_server_pulls_back_towards_where_each_gradient_was_computed"
+PULL_FROM = BUGS + "test_async_server_pulls_only_gradients_stale_by_pull_from_or_more"
 
 MUTANTS = [
     # ------------------------------------------------------------------------- evaluation
@@ -299,8 +300,8 @@ MUTANTS = [
            "the worker sends its labels out of step with its features: the server's head "
            "gradient is for other labels"),
     Mutant("async-pull-pushes-away", "async_sgd_cifar100.py",
-           "            self.theta.sub_(self.gap, alpha=self.pull)",
-           "            self.theta.add_(self.gap, alpha=self.pull)",
+           "            self.theta.sub_(self.gap, alpha=pull)",
+           "            self.theta.add_(self.gap, alpha=pull)",
            (PULL,),
            "--pull's sign flipped: each update pushes the parameters further from where its "
            "gradient was computed, amplifying what it should damp"),
@@ -322,6 +323,12 @@ MUTANTS = [
            (PULL,),
            "every update is pulled towards the first worker's parameters instead of its own "
            "worker's"),
+    Mutant("async-pull-whatever-the-staleness", "async_sgd_cifar100.py",
+           "if staleness >= self.args.pull_from else",
+           "if staleness >= 0 else",
+           (PULL_FROM,),
+           "--pull-from ignored: gradients one update late are pulled too (with 2 workers, "
+           "nearly every update)"),
 ]
 
 

@@ -594,11 +594,11 @@ def test_async_server_pulls_back_towards_where_each_gradient_was_computed(monkey
     back to the parameters its worker computed the gradient on (the reply it was sent,
     extrapolated), measured before the step.  Two workers, the reply extrapolated (the
     default): worker 2's first gradient was computed at theta_0, worker 1's second at the
-    reply to its first."""
+    reply to its first.  --pull-from 0: every update is pulled, whatever its staleness."""
     sent = {}
     monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
                         lambda tensor, dst: sent.update({dst: tensor[1:].clone()}) or _Done())
-    server, args = _server(0, "--pull", "0.4")
+    server, args = _server(0, "--pull", "0.4", "--pull-from", "0")
     decay = torch.tensor([args.weight_decay] * 12 + [0.0] * 3)
     theta0 = server.theta.clone()
     held = {1: theta0, 2: theta0}  # every worker starts from theta_0
@@ -622,8 +622,8 @@ def test_async_server_pulls_back_towards_where_each_gradient_was_computed(monkey
     def server_with(pull):  # the same initial weights for both
         torch.manual_seed(2)
         model = nn.Sequential(OrderedDict(body=nn.Linear(4, 5), fc=nn.Linear(5, 3)))
-        return _server(0, "--pull", pull, "--batch-size", "4", model=model,
-                       fresh_head=True)[0]
+        return _server(0, "--pull", pull, "--pull-from", "0", "--batch-size", "4",
+                       model=model, fresh_head=True)[0]
 
     pulled, unpulled = server_with("0.4"), server_with("0")
     features, labels = torch.randn(2, 5), torch.tensor([2, 0])
@@ -636,6 +636,39 @@ def test_async_server_pulls_back_towards_where_each_gradient_was_computed(monkey
     gap = pulled.theta - unpulled.theta
     assert gap[:25].abs().max() > 1e-4  # the body
     assert torch.equal(gap[25:], torch.zeros(18))  # the head (fc's weight and bias)
+
+
+def test_async_server_pulls_only_gradients_stale_by_pull_from_or_more(monkeypatch):
+    """--pull-from S (default 2): only an update whose gradient is at least S updates stale
+    is pulled.  Three workers, the reply as it is (--ahead 0); the order 1, 2, 3, 1, 3 makes
+    the staleness 0, 1, 2, 2, 1: the third and fourth updates are pulled, the others applied
+    as without --pull, while the gaps of all but the first are non-zero."""
+    sent = {}
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
+                        lambda tensor, dst: sent.update({dst: tensor[1:].clone()}) or _Done())
+
+    def server_with(pull):  # the same initial weights for both
+        torch.manual_seed(0)
+        return _server(0, "--pull", pull, "--ahead", "0", workers=3,
+                       model=nn.Sequential(nn.Linear(4, 3)))[0]
+
+    pulled, plain = server_with("0.6"), server_with("0")
+    assert pulled.args.pull_from == 2  # the default
+    held = {w: pulled.theta.clone() for w in (1, 2, 3)}
+    torch.manual_seed(1)
+    for worker, staleness in zip((1, 2, 3, 1, 3), (0, 1, 2, 2, 1)):
+        g, theta = torch.randn(15), pulled.theta.clone()
+        plain.theta.copy_(theta)  # the step from the same parameters, without the pull
+        plain.v = {w: v.clone() for w, v in pulled.v.items()}
+        plain.version, plain.sent_version = pulled.version, dict(pulled.sent_version)
+        pulled.apply(worker, _gradient_message(g.clone()))
+        plain.apply(worker, _gradient_message(g.clone()))
+        assert pulled.staleness[-1] == staleness
+        expected = plain.theta - (0.2 * (theta - held[worker]) if staleness >= 2 else 0.0)
+        assert torch.allclose(pulled.theta, expected, atol=1e-6), (worker, staleness)
+        assert staleness == 0 or (theta - held[worker]).abs().max() > 1e-3  # a pull to see
+        pulled.reply(worker, async_sgd_cifar100.CONTINUE)
+        held[worker] = sent[worker]
 
 
 def test_async_server_computes_the_heads_gradient_at_its_current_parameters(monkeypatch):

@@ -425,7 +425,7 @@ def test_impossible_flags(tmp_path, cifar_dir, flags, words):
     one_error_line(result, *words)
 
 
-@pytest.mark.parametrize("flag", ["--ahead", "--dc-lambda", "--pull"])
+@pytest.mark.parametrize("flag", ["--ahead", "--dc-lambda", "--pull", "--pull-from"])
 def test_negative_async_rule_flags(tmp_path, cifar_dir, flag):
     result = run(cmd("async_sgd_cifar100.py", cifar_dir, tmp_path / "out", flag, "-1"))
     assert result.returncode == 2
