@@ -33,12 +33,14 @@ where 256 ReLU channels are max-pooled), and stale head gradients made the train
 above ln(100) in the warm-up. Measured on the yardstick, the fresh head moves async SGD from
 4.9 to 2.7 points below sync with 4 workers (the extrapolated reply alone: from 5.7 to 4.9),
 from 2.7 to 1.1 with 2 and from 4.2 to 3.0 with 8; BENCHMARKS.md has the figures.
---pull P (off by default) also pulls each update back towards where its gradient was computed:
+--pull P (0.2 by default) also pulls each update back towards where its gradient was computed:
 after its step, the parameters move P / N of the way back to the reply its worker computed on
-(the head excepted: its gradient is fresh). On a quadratic (bench/stability.py) this removes
-the delayed feedback's amplification of the other workers' noise in sharp directions; on the
-yardstick, paired by seed over 6 runs of 2, 4 and 8 workers, 0.2 gained nothing on average
-(+0.1 points; it lost on both 2-worker seeds), so it is an option, not the default.
+(the head excepted: its gradient is fresh), for gradients at least --pull-from S = 2 updates
+stale only. On a quadratic (bench/stability.py) this removes the delayed feedback's
+amplification of the other workers' noise in sharp directions. On the yardstick with 4 workers
+it gained 3.1 points on average over 3 seeds paired with no pull; pulling every update cost
+4.4 points with 2 workers (whose gradients are nearly all one update late), which the gate
+leaves alone (BENCHMARKS.md, "Only the gradients two or more updates stale pulled").
 --dc-lambda L (off by default) adds delay compensation (DC-ASGD, Zheng et al. 2017) before the
 step: the gradient, computed at the parameters theta_sent its worker was last sent, is moved to
 the current theta along a diagonal curvature estimate, g + L g * g * (theta - theta_sent) /
@@ -86,7 +88,7 @@ GRADIENT, DONE, STOPPING = 0.0, 1.0, 2.0
 HEADER = 4
 CONTINUE = 0.0
 DC_LAMBDA = 0.0  # delay compensation: off (BENCHMARKS.md, "Async SGD under staleness")
-PULL = 0.0  # --pull: off, measured no better on average (BENCHMARKS.md)
+PULL = 0.2  # --pull: BENCHMARKS.md, "Only the gradients two or more updates stale pulled"
 PULL_FROM = 2  # --pull-from: only gradients 2 or more updates stale are pulled
 
 
@@ -502,7 +504,7 @@ def parse_args(argv=None):
                    help="each update also moves the parameters P / N of the way back to the "
                         "ones its worker computed the gradient on (the head excepted), which "
                         "damps the other workers' moves that the reply did not foresee "
-                        "(default %(default)g: off; 0.2 measured level on average, 0.4 slower)")
+                        "(default %(default)g; 0: off; 0.4 measured slower)")
     g.add_argument("--pull-from", type=int, default=PULL_FROM, metavar="S",
                    help="pull only the gradients at least S updates stale (default "
                         "%(default)d: not those one update late, the most with 2 workers)")
