@@ -86,13 +86,18 @@ def train(kind, processes, data_dir, cfg, seed):
     return rows, wall
 
 
-def machine():
+def machine(flags=()):
     """What moves a run besides its seed: the CPU, the torch build and the precision the
-    scripts choose on it (bf16 autocast on CPUs with native bf16, fp32 elsewhere)."""
+    scripts compute in (bf16 autocast on CPUs with native bf16, fp32 elsewhere, unless
+    `flags` say --amp or --no-amp). The CPU's kind counts even in fp32: the same build's
+    kernels differ between CPUs with and without AVX-512, and so does a seed's run."""
     import torch
-    from util import cpu_model, default_amp, precision_name
-    return {"cpu": cpu_model(), "torch": torch.__version__,
-            "precision": precision_name(default_amp("cpu"))}
+    from util import cpu_flags, cpu_model, default_amp, precision_name
+    amp = default_amp("cpu")
+    for flag in flags:
+        amp = {"--amp": True, "--no-amp": False}.get(flag, amp)
+    return {"cpu": cpu_model(), "torch": torch.__version__, "precision": precision_name(amp),
+            "avx512": any(f.startswith("avx512") for f in cpu_flags())}
 
 
 def runs(cfg):
@@ -184,7 +189,8 @@ def merge(paths):
         with open(path) as f:
             part = json.load(f)
         recipe = {k: part["config"].get(k, []) for k in same}
-        here = {k: part["config"].get("machine", {}).get(k) for k in ("torch", "precision")}
+        here = {k: part["config"].get("machine", {}).get(k)
+                for k in ("torch", "precision", "avx512")}
         if cfg is None:
             cfg, first, first_machine = dict(part["config"]), recipe, here
         elif recipe != first:
@@ -192,7 +198,7 @@ def merge(paths):
                              "only runs of the same yardstick and recipe")
         elif here != first_machine:  # another precision is another experiment, not a seed
             raise SystemExit(f"--merge: {path} ran on {here}, {paths[0]} on {first_machine}; "
-                             "merge only runs of the same torch build and precision")
+                             "merge only runs of the same torch build, precision and CPU kind")
         for name, run_ in part["runs"].items():
             for seed, rows in run_["per_seed"].items():
                 if int(seed) in results.get(name, {}):
@@ -219,7 +225,7 @@ def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=()):
     cfg["epochs"] = epochs or cfg["epochs"]
     cfg["async_flags"] = list(async_flags)
     cfg["flags"] = list(flags)
-    cfg["machine"] = machine()
+    cfg["machine"] = machine(cfg["flags"])
     chosen = [r for r in runs(cfg) if names is None or r[0] in names]
     if names is not None and len(chosen) != len(names):
         raise SystemExit(f"--runs: choose among {[r[0] for r in runs(cfg)]}")

@@ -166,11 +166,12 @@ def test_convergence_merge_pools_seeds_of_one_precision_only(monkeypatch, tmp_pa
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import convergence
 
-    def part(name, seed, acc, precision):
+    def part(name, seed, acc, precision, avx512=True):
         rows = [{"epoch": 1.0, "test_acc": acc, "train_loss": 2.0}]
         config = dict(n_train=64, n_test=32, epochs=1, batch=8, lr=0.1, flags=[],
                       async_flags=[], seeds=[seed], sync=[2], workers=[2],
-                      machine={"cpu": "x", "torch": "2.0", "precision": precision})
+                      machine={"cpu": "x", "torch": "2.0", "precision": precision,
+                               "avx512": avx512})
         path = tmp_path / f"{name}-{seed}-{precision}.json"
         path.write_text(json.dumps({"config": config,
                                     "runs": {name: {"per_seed": {str(seed): rows}}}}))
@@ -181,6 +182,23 @@ def test_convergence_merge_pools_seeds_of_one_precision_only(monkeypatch, tmp_pa
                                 part("async, 2 workers", 0, 41.0, "fp32")])
     assert pooled["summary"]["sync, 2 ranks"]["finals"] == [40.0, 44.0]
     assert pooled["summary"]["sync, 2 ranks"]["final_mean"] == 42.0
-    with pytest.raises(SystemExit, match="same torch build and precision"):
+    with pytest.raises(SystemExit, match="same torch build, precision and CPU kind"):
         convergence.merge([part("sync, 2 ranks", 2, 40.0, "fp32"),
                            part("sync, 2 ranks", 3, 44.0, "bf16 autocast + channels_last")])
+    # fp32 on a CPU with AVX-512 and on one without: the same seed ends points apart
+    with pytest.raises(SystemExit, match="same torch build, precision and CPU kind"):
+        convergence.merge([part("sync, 2 ranks", 2, 40.0, "fp32", avx512=False),
+                           part("sync, 2 ranks", 3, 44.0, "fp32", avx512=True)])
+
+
+def test_convergence_records_the_precision_the_flags_choose(monkeypatch):
+    """--flags=--no-amp on a CPU with native bf16 runs fp32, and the JSON must say so (it
+    once recorded the CPU's default, bf16, for fp32 runs)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import convergence
+    from common import process
+    for native in (False, True):
+        monkeypatch.setattr(process, "cpu_has_native_bf16", lambda: native)
+        assert convergence.machine([])["precision"] == process.precision_name(native)
+        assert convergence.machine(["--no-amp"])["precision"] == "fp32"
+        assert convergence.machine(["--lr", "0.1", "--amp"])["precision"] != "fp32"
