@@ -259,7 +259,7 @@ MUTANTS = [
            (BUGS + "test_async_workers_split_the_training_set_and_reshard_it_each_epoch",),
            "every async worker trains on the first worker's shard: half the data never seen"),
     Mutant("async-staleness-never-counted", "async_sgd_cifar100.py",
-           "self.staleness.append(self.version - self.sent_version[worker])",
+           "self.staleness.append(staleness)",
            "self.staleness.append(0)",
            ("tests/test_distributed.py::test_async_sgd_workers_of_different_speeds_stop_cleanly",),
            "the server reports staleness 0 whatever the workers' speeds"),
