@@ -37,10 +37,11 @@ from 2.7 to 1.1 with 2 and from 4.2 to 3.0 with 8; BENCHMARKS.md has the figures
 after its step, the parameters move P / N of the way back to the reply its worker computed on
 (the head excepted: its gradient is fresh), for gradients at least --pull-from S = 2 updates
 stale only. On a quadratic (bench/stability.py) this removes the delayed feedback's
-amplification of the other workers' noise in sharp directions. On the yardstick with 4 workers
-pulling every update gained 3.1 points on average over 3 seeds paired with no pull (the gated
-pull: +2.15, +4.15 and -2.95); pulling every update cost 4.4 points with 2 workers (whose
-gradients are nearly all one update late), which the gate leaves alone (BENCHMARKS.md, "Only the gradients two or more updates stale pulled").
+amplification of the other workers' noise in sharp directions. Pulling every update gained
+3.1 points on average with 4 workers over 3 seeds paired with no pull (the gated pull: +2.15,
++4.15 and -2.95) and cost 4.4 points with 2 workers (whose gradients are nearly all one update
+late), which the gate leaves alone (BENCHMARKS.md, "Only the gradients two or more updates
+stale pulled").
 --dc-lambda L (off by default) adds delay compensation (DC-ASGD, Zheng et al. 2017) before the
 step: the gradient, computed at the parameters theta_sent its worker was last sent, is moved to
 the current theta along a diagonal curvature estimate, g + L g * g * (theta - theta_sent) /

@@ -365,6 +365,12 @@ def stale(mutant):
         count = f.read().count(mutant.original)
     if count != 1:
         return f"its original text is found {count} times in {mutant.file}, not once"
+    for node in mutant.tests:  # node ids; a file with "-k", EXPRESSION has no "::"
+        if "::" in node:
+            path, name = node.split("::", 1)
+            with open(os.path.join(ROOT, path)) as f:
+                if f"def {name.split('[')[0]}(" not in f.read():
+                    return f"its test {node} does not exist"
     return None
 
 

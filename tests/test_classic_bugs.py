@@ -722,14 +722,4 @@ def test_every_mutant_still_applies_to_the_code_and_names_real_tests():
     check until someone ran the whole list (minutes). Caught here in a second instead."""
     import mutants
     stale = {m.name: why for m in mutants.MUTANTS if (why := mutants.stale(m))}
-    assert not stale, f"update these mutants along with the code: {stale}"
-    missing = []
-    for m in mutants.MUTANTS:
-        for node in m.tests:
-            if "::" not in node:
-                continue  # a file with "-k", EXPRESSION
-            path, name = node.split("::", 1)
-            with open(os.path.join(ROOT, path)) as f:
-                if f"def {name.split('[')[0]}(" not in f.read():
-                    missing.append(f"{m.name}: {node}")
-    assert not missing, missing
+    assert not stale, f"update these mutants along with the code and tests: {stale}"
