@@ -367,8 +367,8 @@ def stale(mutant):
         return f"its original text is found {count} times in {mutant.file}, not once"
     for node in mutant.tests:  # node ids; a file with "-k", EXPRESSION has no "::"
         if "::" in node:
-            path, name = node.split("::", 1)
-            with open(os.path.join(ROOT, path)) as f:
+            test_file, name = node.split("::", 1)
+            with open(os.path.join(ROOT, test_file)) as f:
                 if f"def {name.split('[')[0]}(" not in f.read():
                     return f"its test {node} does not exist"
     return None
