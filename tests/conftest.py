@@ -45,6 +45,11 @@ from tests.datagen import (  # noqa: E402
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: a module that trains for minutes (deselect with "
                             "-m 'not slow'); run first")
+    # pytest-xdist >= 3.6 hands out the files of `--dist loadfile` largest first (by number of
+    # tests), which undid the order below: the slowest file, with 5 tests, started last and
+    # ran alone for its last 10 minutes.  Keep the collection's order.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):

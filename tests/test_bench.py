@@ -17,8 +17,8 @@ from helpers import ROOT, child_env, ok
 pytestmark = pytest.mark.slow  # trains for minutes: scheduled first (conftest.py)
 
 TIMEOUT = 300
-# The simulator on tiny sizes: 2 workers, 128 images, batch 8 each, one epoch (8 rounds)
-TINY = ["--workers", "2", "--train", "128", "--test", "64", "--epochs", "1", "--batch-size",
+# The simulator on tiny sizes: 2 workers, 64 images, batch 8 each, one epoch (4 rounds)
+TINY = ["--workers", "2", "--train", "64", "--test", "32", "--epochs", "1", "--batch-size",
         "16", "--global-batch", "--lr", "0.05"]
 
 
@@ -29,7 +29,22 @@ def run_bench(script, *argv):
 
 
 @pytest.fixture(scope="module")
-def simulate(tmp_path_factory):
+def staleness_main():
+    """bench/staleness.py's main(argv), run in this process on one thread: a process per run
+    spent more time importing torch than simulating.  (One run goes through the command line,
+    in test_staleness_simulator_runs_every_reply.)"""
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import staleness
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # main() keeps it (BENCH_THREADS unset)
+    yield staleness.main
+    torch.set_num_threads(threads)
+    sys.path.remove(os.path.join(ROOT, "bench"))
+
+
+@pytest.fixture(scope="module")
+def simulate(tmp_path_factory, staleness_main):
     """simulate(*argv): one run of the simulator on TINY sizes, its JSON record; each
     configuration runs once per module, since the tests below share some."""
     records = {}
@@ -37,7 +52,7 @@ def simulate(tmp_path_factory):
     def run(*argv):
         if argv not in records:
             out = tmp_path_factory.mktemp("simulate") / "results.jsonl"
-            ok(run_bench("staleness.py", *TINY, *argv, "--json", str(out)))
+            staleness_main([*TINY, *argv, "--json", str(out)])
             records[argv] = json.loads(out.read_text())
         return records[argv]
     return run
@@ -69,15 +84,16 @@ def test_stability_and_noise_floor_say_what_benchmarks_md_quotes():
         assert ratios[h] >= 0.96 * default[h], (ratios, default)
 
 
-def test_staleness_simulator_runs_every_reply(tmp_path):
+def test_staleness_simulator_runs_every_reply(tmp_path, staleness_main):
     out = tmp_path / "results.jsonl"
     runs = [["--rule", "nesterov", "nesterovdc", "sync", "plain", "dana", "danaga",
              "--extra-ahead", "0.5", "--ahead-per-worker"],
             ["--rule", "nesterov", "--extra-ahead", "0.5", "--ahead-smooth", "0.9"],
             ["--rule", "nesterov", "--fresh", "--shuffle-order", "--log-every", "3"],
             ["--rule", "dana", "--spike", "--ahead-gradients"]]
-    for argv in runs:
-        ok(run_bench("staleness.py", *TINY, *argv, "--json", str(out)))
+    ok(run_bench("staleness.py", *TINY, *runs[0], "--json", str(out)))  # the command line
+    for argv in runs[1:]:
+        staleness_main([*TINY, *argv, "--json", str(out)])
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["rule"] for r in results] == ["nesterov", "nesterovdc", "sync", "plain", "dana",
                                             "danaga", "nesterov", "nesterov", "dana"]
@@ -85,9 +101,9 @@ def test_staleness_simulator_runs_every_reply(tmp_path):
         assert len(r["test_acc"]) == 1 and 0.0 <= r["test_acc"][0] <= 100.0, r
         assert 0.0 < r["train_loss"][0] < 20.0, r  # finite, a loss
     assert results[0]["ahead_per_worker"] and results[6]["ahead_smooth"] == 0.9
-    # --log-every 3 over 8 rounds: windows of 3, 3 and the last 2
+    # --log-every 3 over 4 rounds: a window of 3 and the last 1
     windows = results[7]["train_loss_every"]
-    assert len(windows) == 3 and all(0.0 < w < 20.0 for w in windows), windows
+    assert len(windows) == 2 and all(0.0 < w < 20.0 for w in windows), windows
     assert "train_loss_every" not in results[0]
 
 
@@ -120,7 +136,7 @@ def test_simulator_fresh_head_and_fresh_only(simulate):
 
 
 def test_drift_probe_prints_its_measurements():
-    lines = ok(run_bench("drift.py", "--train", "256", "--epochs", "2", "--every", "2"))
+    lines = ok(run_bench("drift.py", "--train", "128", "--epochs", "2", "--every", "2"))
     probes = [line.split() for line in lines[1:] if line.strip()]
     assert probes, lines
     for cells in probes:

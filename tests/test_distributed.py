@@ -324,9 +324,12 @@ def test_async_sgd_one_server_two_workers(cifar_dir, tmp_path):
 
 @needs_mpirun
 def test_async_sgd_workers_of_different_speeds_stop_cleanly(cifar_dir, tmp_path):
+    """Worker 1 sleeps after each update; worker 2 does not.  The sleep is long beside a
+    step's time even on a loaded CI machine (0.3 s was not: with steps of 0.3 s the two
+    workers took turns, every gradient 1 update stale); sleeping costs no CPU."""
     out = tmp_path / "straggler"
     log = run([MPIRUN, "-np", "3", sys.executable, "async_sgd_cifar100.py",
-               *tiny_args(cifar_dir, out, "--epochs", "1", "--straggler-delay", "0.3")])
+               *tiny_args(cifar_dir, out, "--epochs", "1", "--straggler-delay", "2")])
     sent_applied = parse_async_log(log)
     assert all(sent == applied == 4 for sent, applied in sent_applied.values())
     rows = metrics(out)

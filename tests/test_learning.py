@@ -121,7 +121,7 @@ def test_async_sgd_with_one_worker_is_nesterov_sgd_step_for_step(yardstick, tmp_
     scaled by another step's learning rate, a momentum buffer applied twice or a missing weight
     decay shows."""
     flags = ["--epochs", "2", "--batch-size", "64", "--no-amp", "--dropout", "0",
-             "--train-limit", "256", "--test-limit", "200", "--seed", "3"]
+             "--train-limit", "128", "--test-limit", "200", "--seed", "3"]
     one = train([sys.executable, "resnet_cifar100.py"], yardstick, tmp_path / "one", *flags)
     asy = train(mpirun(2, "async_sgd_cifar100.py"), yardstick, tmp_path / "async", *flags)
     assert len(one) == len(asy) == 2
