@@ -72,9 +72,13 @@ def async_rows(yardstick, tmp_path_factory):
 
 def test_async_sgd_with_two_workers_keeps_up_with_sync(sync_rows, async_rows):
     """Async SGD with 2 workers (every gradient about 1 update stale) ends close to sync SGD on
-    2 ranks: the same data, epochs, global batch and learning rate.  The server's old rule
-    (each stale gradient applied as it came, with one Nesterov momentum buffer) ended at chance
-    here, its training loss above ln(100)."""
+    2 ranks: the same data, epochs, global batch and learning rate.  The server's first rule
+    (torch's SGD with one Nesterov momentum buffer, each worker's gradient of a whole
+    --batch-size applied at the whole --lr as it came) ended at 8.75% here against sync's
+    29.1%, its first-epoch training loss 6.05, above ln(100).  A milder one-buffer rule (the
+    global batch split over the workers, --lr / N per update, nothing looked ahead) ends 7.9
+    points below sync (22.0% against 29.9%, 2026-11-25): at the edge of the margin, which
+    this small yardstick's spread sets; bench/convergence.py is where rules are compared."""
     sync_acc, async_acc = sync_rows[-1]["test_acc"], async_rows[-1]["test_acc"]
     assert async_acc >= sync_acc - ACCURACY_MARGIN, (async_acc, sync_acc)
     assert async_acc > 3 * 100.0 / CLASSES, async_acc
