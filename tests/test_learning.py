@@ -75,10 +75,11 @@ def test_async_sgd_with_two_workers_keeps_up_with_sync(sync_rows, async_rows):
     2 ranks: the same data, epochs, global batch and learning rate.  The server's first rule
     (torch's SGD with one Nesterov momentum buffer, each worker's gradient of a whole
     --batch-size applied at the whole --lr as it came) ended at 8.75% here against sync's
-    29.1%, its first-epoch training loss 6.05, above ln(100).  A milder one-buffer rule (the
-    global batch split over the workers, --lr / N per update, nothing looked ahead) ends 7.9
-    points below sync (22.0% against 29.9%, 2026-11-25): at the edge of the margin, which
-    this small yardstick's spread sets; bench/convergence.py is where rules are compared."""
+    29.1%, its first-epoch training loss 6.05, above ln(100).  A milder rule, the slides' (one
+    momentum buffer for all workers, --lr / N per update, the reply not looked ahead, the head
+    stale, no pull), ends 7.9 points below sync (22.0% against 29.9%, 2026-11-25), which the
+    margins below catch.  One buffer alone, with the rest of the rule kept, stays inside them:
+    closer comparisons are bench/convergence.py's."""
     sync_acc, async_acc = sync_rows[-1]["test_acc"], async_rows[-1]["test_acc"]
     assert async_acc >= sync_acc - ACCURACY_MARGIN, (async_acc, sync_acc)
     assert async_acc > 3 * 100.0 / CLASSES, async_acc
@@ -87,9 +88,11 @@ def test_async_sgd_with_two_workers_keeps_up_with_sync(sync_rows, async_rows):
     assert max(r["mean_staleness"] for r in async_rows) > 0.5, async_rows  # really async
 
 
-# Margins several times the run-to-run spread of this small yardstick (seeds move the final
-# test accuracy by 2-3 points, the last epoch's training loss by about 0.1).
-ACCURACY_MARGIN, LOSS_MARGIN = 8.0, 0.3
+# Margins several times the run-to-run spread of the async run (same seed, the order in which
+# the workers' gradients arrive varying; 5 runs on an fp32 CPU, 2026-11-25): from 1.5 points
+# below sync to 0.5 above, training loss 0.03 to 0.07 above it.  The milder one-buffer rule
+# (test docstring) ended 7.9 and 8.1 points below, 0.27 and 0.32 above: outside both.
+ACCURACY_MARGIN, LOSS_MARGIN = 6.0, 0.2
 
 
 def test_async_sgd_never_does_worse_than_a_uniform_guess(async_rows):
