@@ -5,9 +5,11 @@ import csv
 import datetime
 import errno
 import fcntl
+import importlib.util
 import json
 import os
 import platform
+import re
 import socket
 import sys
 
@@ -58,15 +60,25 @@ def claim(out):
 
 def environment(device):
     import numpy
-    import torchvision
     env = {"python": sys.version.split()[0], "torch": torch.__version__,
-           "torchvision": torchvision.__version__, "numpy": numpy.__version__,
+           "torchvision": torchvision_version(), "numpy": numpy.__version__,
            "platform": platform.platform(), "device": str(device),
            "threads": torch.get_num_threads()}
     if torch.device(device).type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
     return env
+
+
+def torchvision_version():
+    """torchvision.__version__ without importing torchvision: its import pulls in torch._dynamo,
+    about 2.5 s of CPU that a script that builds no torchvision model need not pay."""
+    spec = importlib.util.find_spec("torchvision")
+    try:
+        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+            return re.search(r"^__version__ = ['\"](.+)['\"]", f.read(), re.M).group(1)
+    except (AttributeError, TypeError, OSError):  # not installed, or laid out otherwise
+        return None
 
 
 def write_config(out, args, device, **extra):

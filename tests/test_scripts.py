@@ -81,9 +81,9 @@ def check_run_outputs(out, log, epochs, trained, script):
         config = json.load(f)
     assert config["args"]["epochs"] == epochs
     assert config["args"]["batch_size"] == 16
-    text = json.dumps(config)
     import torchvision
-    assert torch.__version__ in text and torchvision.__version__ in text
+    assert config["environment"]["torch"] == torch.__version__
+    assert config["environment"]["torchvision"] == torchvision.__version__
     # checkpoint.pt loads and holds the model after the last epoch
     state = torch.load(os.path.join(out, "checkpoint.pt"), map_location="cpu",
                        weights_only=False)
@@ -285,3 +285,15 @@ def test_unwritable_out(cifar_dir, tmp_path):
     one_error_line(proc, "--out", out)
     assert blocker.read_text() == "x"
 
+
+
+def test_recording_the_versions_does_not_import_torchvision():
+    """config.json names torchvision's version without importing it: the import pulls in
+    torch._dynamo, some 2.5 s of CPU in every process of a script that builds no torchvision
+    model (async SGD's server and workers use no torch.optim, which would import it anyway)."""
+    probe = ("import sys; from common import outputs; env = outputs.environment('cpu'); "
+             "print(env['torchvision'], 'torchvision' in sys.modules, 'torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=clean_env(),
+                            capture_output=True, text=True, timeout=120)
+    import torchvision
+    assert result.stdout.split() == [torchvision.__version__, "False", "False"], result
