@@ -286,13 +286,13 @@ def test_unwritable_out(cifar_dir, tmp_path):
     assert blocker.read_text() == "x"
 
 
-
 def test_recording_the_versions_does_not_import_torchvision():
     """config.json names torchvision's version without importing it: the import pulls in
     torch._dynamo, some 2.5 s of CPU in every process of a script that builds no torchvision
     model (async SGD's server and workers use no torch.optim, which would import it anyway)."""
     probe = ("import sys; from common import outputs; env = outputs.environment('cpu'); "
-             "print(env['torchvision'], 'torchvision' in sys.modules, 'torch._dynamo' in sys.modules)")
+             "print(env['torchvision'], 'torchvision' in sys.modules, "
+             "'torch._dynamo' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=clean_env(),
                             capture_output=True, text=True, timeout=120)
     import torchvision
