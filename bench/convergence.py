@@ -17,6 +17,10 @@ sync SGD with as many ranks as it has workers (W = 1: the one process), with its
 error over the seeds: with batch / N samples per process, BatchNorm sees the same batch size
 in both.  Every process gets cores / processes threads; on 2 cores a full run takes about 80
 minutes (quiet), --quick (one seed, a smaller yardstick) about 25 minutes.
+
+On a GPU machine: --device cuda --launcher torchrun --parallel K trains K runs at once, every
+rank of every run on the one GPU (over gloo: nccl takes one rank per GPU), so that many seeds
+fit in a few minutes; its figures are a machine kind of their own (--merge keeps them apart).
 """
 import csv
 import json
@@ -26,9 +30,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-from util import REPO_ROOT, SMOKE, TESTS_DIR, log, out_of_time, table
+from util import REPO_ROOT, SMOKE, TESTS_DIR, log, out_of_time, set_budget, table
 
 # lr 0.15: on the plateau of one process's accuracy (bench/staleness.py, seed 0: 25.9 % at
 # 0.05, 37.3 % at 0.075, 45.5 % at 0.1, 45.0 % at 0.15); 0.05, used before, left every run
@@ -50,28 +56,40 @@ def make_yardstick(root, n_train, n_test):
     return root
 
 
+def threads(processes, cfg):
+    """Each process's share of the cores, with --parallel runs at once."""
+    return str(max(1, (os.cpu_count() or 1) // (processes * cfg.get("parallel", 1))))
+
+
 def command(kind, processes, data_dir, out, cfg, seed):
+    device = cfg.get("device", "cpu")
     flags = ["--data-dir", data_dir, "--out", out, "--epochs", str(cfg["epochs"]),
              "--batch-size", str(cfg["batch"]), "--lr", str(cfg["lr"]), "--seed", str(seed),
-             "--device", "cpu", "--fresh"]
+             "--device", device, "--fresh"]
+    if device == "cuda" and kind == "sync":
+        flags += ["--backend", "gloo"]  # the ranks share the GPU; nccl wants one each
     flags += cfg.get("flags", [])
     if kind == "async":
         flags += cfg.get("async_flags", [])
     if kind == "one process":
         return [sys.executable, os.path.join(REPO_ROOT, "resnet_cifar100.py"), *flags]
+    script = os.path.join(REPO_ROOT, "sync_sgd_cifar100.py" if kind == "sync"
+                          else "async_sgd_cifar100.py")
+    if cfg.get("launcher") == "torchrun":  # where there is no MPI (threads: the environment's)
+        from common.launch import free_port
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                str(processes), "--master-port", str(free_port()), script, *flags]
     from param_server import mpirun
-    script = "sync_sgd_cifar100.py" if kind == "sync" else "async_sgd_cifar100.py"
-    threads = str(max(1, (os.cpu_count() or 1) // processes))
     return [mpirun(), "-np", str(processes), "--oversubscribe", "--bind-to", "none",
-            "-x", f"OMP_NUM_THREADS={threads}", "-x", "PYTHONPATH",
-            sys.executable, os.path.join(REPO_ROOT, script), *flags]
+            "-x", f"OMP_NUM_THREADS={threads(processes, cfg)}", "-x", "PYTHONPATH",
+            sys.executable, script, *flags]
 
 
 def train(kind, processes, data_dir, cfg, seed):
     """One run; its metrics.csv rows and wall time."""
     with tempfile.TemporaryDirectory(prefix="bench-convergence-") as out:
         env = dict(os.environ, PYTHONPATH=REPO_ROOT,
-                   OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // processes)))
+                   OMP_NUM_THREADS=threads(processes, cfg))
         if os.geteuid() == 0:  # Open MPI refuses root unless told
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         start = time.perf_counter()
@@ -86,18 +104,22 @@ def train(kind, processes, data_dir, cfg, seed):
     return rows, wall
 
 
-def machine(flags=()):
-    """What moves a run besides its seed: the CPU, the torch build and the precision the
-    scripts compute in (bf16 autocast on CPUs with native bf16, fp32 elsewhere, unless
-    `flags` say --amp or --no-amp). The CPU's kind counts even in fp32: the same build's
-    kernels differ between CPUs with and without AVX-512, and so does a seed's run."""
+def machine(flags=(), device="cpu"):
+    """What moves a run besides its seed: the CPU (or GPU), the torch build and the precision
+    the scripts compute in (bf16 autocast on GPUs and on CPUs with native bf16, fp32
+    elsewhere, unless `flags` say --amp or --no-amp). The CPU's kind counts even in fp32: the
+    same build's kernels differ between CPUs with and without AVX-512, and so does a seed's
+    run."""
     import torch
     from util import cpu_flags, cpu_model, default_amp, precision_name
-    amp = default_amp("cpu")
+    amp = default_amp(device)
     for flag in flags:
         amp = {"--amp": True, "--no-amp": False}.get(flag, amp)
-    return {"cpu": cpu_model(), "torch": torch.__version__, "precision": precision_name(amp),
-            "avx512": any(f.startswith("avx512") for f in cpu_flags())}
+    found = {"cpu": cpu_model(), "torch": torch.__version__, "precision": precision_name(amp),
+             "avx512": any(f.startswith("avx512") for f in cpu_flags())}
+    if device == "cuda":
+        found["gpu"] = torch.cuda.get_device_name(0)
+    return found
 
 
 def runs(cfg):
@@ -190,7 +212,7 @@ def merge(paths):
             part = json.load(f)
         recipe = {k: part["config"].get(k, []) for k in same}
         here = {k: part["config"].get("machine", {}).get(k)
-                for k in ("torch", "precision", "avx512")}
+                for k in ("torch", "precision", "avx512", "gpu")}
         if cfg is None:
             cfg, first, first_machine = dict(part["config"]), recipe, here
         elif recipe != first:
@@ -198,7 +220,8 @@ def merge(paths):
                              "only runs of the same yardstick and recipe")
         elif here != first_machine:  # another precision is another experiment, not a seed
             raise SystemExit(f"--merge: {path} ran on {here}, {paths[0]} on {first_machine}; "
-                             "merge only runs of the same torch build, precision and CPU kind")
+                             "merge only runs of the same torch build, precision and CPU or "
+                             "GPU kind")
         for name, run_ in part["runs"].items():
             for seed, rows in run_["per_seed"].items():
                 if int(seed) in results.get(name, {}):
@@ -216,16 +239,19 @@ def merge(paths):
             "summary": stats}
 
 
-def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=()):
+def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=(), device="cpu",
+        launcher="mpirun", parallel=1):
     """The whole benchmark, or the runs called `names` (as in its table) over `seeds`, every
     run with `flags` added (another recipe) and the async runs with `async_flags` too (a
-    rule's variant), for `epochs` if given."""
+    rule's variant), for `epochs` if given; on `device`, started by `launcher`, `parallel`
+    runs at a time."""
     cfg = dict(SMOKE_SIZES if SMOKE else (QUICK if quick else FULL))
     cfg["seeds"] = tuple(seeds or cfg["seeds"])
     cfg["epochs"] = epochs or cfg["epochs"]
     cfg["async_flags"] = list(async_flags)
     cfg["flags"] = list(flags)
-    cfg["machine"] = machine(cfg["flags"])
+    cfg.update(device=device, launcher=launcher, parallel=parallel)
+    cfg["machine"] = machine(cfg["flags"], device)
     chosen = [r for r in runs(cfg) if names is None or r[0] in names]
     if names is not None and len(chosen) != len(names):
         raise SystemExit(f"--runs: choose among {[r[0] for r in runs(cfg)]}")
@@ -237,18 +263,35 @@ def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=()):
             f"seeds {list(cfg['seeds'])}; {cfg['machine']['precision']} on "
             f"{cfg['machine']['cpu']}, torch {cfg['machine']['torch']}" +
             (f", every run with {' '.join(cfg['flags'])}" if cfg["flags"] else "") +
-            (f", async runs with {' '.join(cfg['async_flags'])}" if cfg["async_flags"] else ""))
-        for seed in cfg["seeds"]:  # every configuration once per seed, in turn
-            for name, kind, processes, _ in chosen:
-                if out_of_time(120):
-                    log(f"[5] {name}, seed {seed}: skipped (--budget)")
-                    continue
+            (f", async runs with {' '.join(cfg['async_flags'])}" if cfg["async_flags"] else "") +
+            (f"; {cfg['machine']['gpu']}, {parallel} runs at a time" if device == "cuda" else ""))
+        lock = threading.Lock()
+
+        def one(seed, name, kind, processes):
+            if out_of_time(120):
+                log(f"[5] {name}, seed {seed}: skipped (--budget)")
+                return
+            try:
                 rows, wall = train(kind, processes, data_dir, cfg, seed)
+            except RuntimeError as exc:
+                if parallel == 1:
+                    raise
+                log(f"[5] {name}, seed {seed}: failed, left out: {exc}")  # the others go on
+                return
+            with lock:
                 results.setdefault(name, {})[seed] = rows
                 walls.setdefault(name, []).append(wall)
-                log(f"[5] {name}, seed {seed}: final test accuracy {rows[-1]['test_acc']:.2f}% "
-                    f"({wall:.0f} s)")
+                log(f"[5] {name}, seed {seed}: final test accuracy "
+                    f"{rows[-1]['test_acc']:.2f}% ({wall:.0f} s)")
                 save_partial(results)
+
+        # every configuration once per seed, in turn (so that a seed's runs end together)
+        jobs = [(seed, name, kind, processes) for seed in cfg["seeds"]
+                for name, kind, processes, _ in chosen]
+        with ThreadPoolExecutor(parallel) as pool:
+            for done in [pool.submit(one, *job) for job in jobs]:
+                done.result()
+        results = {name: dict(sorted(per_seed.items())) for name, per_seed in results.items()}
     stats = summary(results)
     report(cfg, stats, walls, [name for name, *_ in chosen])
     return {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
@@ -269,14 +312,24 @@ if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the asyn
     p.add_argument("--async-flags", default="", help='added to the async runs, e.g. '
                    '"--dc-lambda 0"')
     p.add_argument("--flags", default="", help='added to every run, e.g. "--momentum 0.95"')
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where every rank computes (cuda: all on GPU 0)")
+    p.add_argument("--launcher", choices=["mpirun", "torchrun"], default="mpirun",
+                   help="what starts the ranks (torchrun: where there is no MPI)")
+    p.add_argument("--parallel", type=int, default=1, metavar="K",
+                   help="runs at a time (each process gets cores / (processes x K) threads)")
+    p.add_argument("--budget", type=float, default=0, metavar="SECONDS",
+                   help="start no run after this many seconds less two minutes (0: no limit)")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="train nothing: one table from "
                    "these --json files (the same recipe; more seeds, run at different times)")
     a = p.parse_args()
+    set_budget(a.budget)
     if a.merge:
         result = merge(a.merge)
     else:
-        result = run(a.quick, a.runs, a.seeds, a.async_flags.split(), a.epochs, a.flags.split())
+        result = run(a.quick, a.runs, a.seeds, a.async_flags.split(), a.epochs, a.flags.split(),
+                     a.device, a.launcher, max(1, a.parallel))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

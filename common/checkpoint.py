@@ -161,7 +161,7 @@ class Checkpoint:
             except UserError as exc:  # tell the other ranks too, rather than leave them waiting
                 error = str(exc)
         if self.comm is not None:
-            state, error = self.comm.broadcast_object((state, error))
+            state, error = self.comm.broadcast_state((state, error))
         if error:
             raise UserError(error)
         if state is None:

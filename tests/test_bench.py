@@ -182,13 +182,13 @@ def test_convergence_merge_pools_seeds_of_one_precision_only(monkeypatch, tmp_pa
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import convergence
 
-    def part(name, seed, acc, precision, avx512=True):
+    def part(name, seed, acc, precision, avx512=True, gpu=None):
         rows = [{"epoch": 1.0, "test_acc": acc, "train_loss": 2.0}]
         config = dict(n_train=64, n_test=32, epochs=1, batch=8, lr=0.1, flags=[],
                       async_flags=[], seeds=[seed], sync=[2], workers=[2],
                       machine={"cpu": "x", "torch": "2.0", "precision": precision,
-                               "avx512": avx512})
-        path = tmp_path / f"{name}-{seed}-{precision}.json"
+                               "avx512": avx512, **({"gpu": gpu} if gpu else {})})
+        path = tmp_path / f"{name}-{seed}-{precision}-{gpu}.json"
         path.write_text(json.dumps({"config": config,
                                     "runs": {name: {"per_seed": {str(seed): rows}}}}))
         return str(path)
@@ -198,13 +198,18 @@ def test_convergence_merge_pools_seeds_of_one_precision_only(monkeypatch, tmp_pa
                                 part("async, 2 workers", 0, 41.0, "fp32")])
     assert pooled["summary"]["sync, 2 ranks"]["finals"] == [40.0, 44.0]
     assert pooled["summary"]["sync, 2 ranks"]["final_mean"] == 42.0
-    with pytest.raises(SystemExit, match="same torch build, precision and CPU kind"):
+    with pytest.raises(SystemExit, match="same torch build, precision and CPU or GPU kind"):
         convergence.merge([part("sync, 2 ranks", 2, 40.0, "fp32"),
                            part("sync, 2 ranks", 3, 44.0, "bf16 autocast + channels_last")])
     # fp32 on a CPU with AVX-512 and on one without: the same seed ends points apart
-    with pytest.raises(SystemExit, match="same torch build, precision and CPU kind"):
+    with pytest.raises(SystemExit, match="same torch build, precision and CPU or GPU kind"):
         convergence.merge([part("sync, 2 ranks", 2, 40.0, "fp32", avx512=False),
                            part("sync, 2 ranks", 3, 44.0, "fp32", avx512=True)])
+    # bf16 on a GPU (bench/convergence.py --device cuda) and on a CPU
+    bf16 = "bf16 autocast + channels_last"
+    with pytest.raises(SystemExit, match="same torch build, precision and CPU or GPU kind"):
+        convergence.merge([part("sync, 2 ranks", 2, 40.0, bf16),
+                           part("sync, 2 ranks", 3, 44.0, bf16, gpu="NVIDIA H200")])
 
 
 def test_convergence_records_the_precision_the_flags_choose(monkeypatch):

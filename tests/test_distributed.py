@@ -1,6 +1,8 @@
 """Sync and async SGD on CPU with gloo: equivalence, initialisation, launchers, end to end."""
 import csv
+import io
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -13,7 +15,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from common import data
-from common.distributed import Comm, import_before_init
+from common.distributed import Comm, import_before_init, pack_state, unpack_state
 from common.launch import Launch, check_torchrun_master, detect_launch, free_port
 from common.loader import DeviceLoader
 from common.process import UserError
@@ -138,7 +140,7 @@ def test_per_parameter_averaging_equals_one_process_too(tmp_path):
         (averaged - expected).abs().max()
 
 
-def _broadcast_worker(rank, world, port, result_path):
+def _broadcast_worker(rank, world, port, result_path, channels_last):
     torch.set_num_threads(1)
     import_before_init()  # as distributed.start does (see there)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -146,6 +148,8 @@ def _broadcast_worker(rank, world, port, result_path):
     from common.model import HW4ResNet
     torch.manual_seed(1000 + rank)
     model = HW4ResNet(10)
+    if rank and channels_last:  # an async worker with --amp; its server's stays contiguous
+        model = model.to(memory_format=torch.channels_last)
     before = torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values()])
     Comm(Launch("test", rank, world)).broadcast_parameters(model)
     after = torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values()])
@@ -154,13 +158,55 @@ def _broadcast_worker(rank, world, port, result_path):
     dist.destroy_process_group()
 
 
-def test_ranks_start_from_identical_parameters_despite_different_seeds(tmp_path):
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_ranks_start_from_identical_parameters_despite_different_seeds(tmp_path, channels_last):
     result = str(tmp_path / "init")
-    mp.start_processes(_broadcast_worker, args=(2, free_port(), result), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(_broadcast_worker, args=(2, free_port(), result, channels_last),
+                       nprocs=2, start_method="spawn")
     (before0, after0), (before1, after1) = (torch.load(f"{result}.{r}") for r in (0, 1))
     assert not torch.equal(before0, before1)  # the seeds really differed
     assert torch.equal(after0, before0) and torch.equal(after1, before0)
+
+
+def _views_of_one_vector(n_views=50, size=20_000):
+    """What an async server's checkpoint holds: many tensors that are views into one vector."""
+    flat = torch.randn(n_views * size)
+    return {"model": dict(enumerate(flat.split(size))), "epoch": 3, "note": None}
+
+
+def test_a_state_of_views_travels_at_its_size_and_as_plain_data():
+    state = _views_of_one_vector()
+    data = pack_state(state)
+    assert data.numel() < 1.2 * 50 * 20_000 * 4  # each storage once (pickle: 50 times)
+    back = unpack_state(data)
+    assert back["epoch"] == 3 and back["note"] is None
+    assert all(torch.equal(back["model"][k], state["model"][k]) for k in state["model"])
+    evil = io.BytesIO()
+    torch.save({"x": Launch("test", 0, 1)}, evil)  # an object, not plain data
+    with pytest.raises(pickle.UnpicklingError):
+        unpack_state(torch.frombuffer(bytearray(evil.getvalue()), dtype=torch.uint8))
+
+
+def _state_worker(rank, world, port, result_path):
+    torch.set_num_threads(1)
+    import_before_init()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(0)
+    state = _views_of_one_vector() if rank == 0 else None
+    got = Comm(Launch("test", rank, world), "gloo").broadcast_state((state, None))
+    torch.save(got, f"{result_path}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_every_rank_gets_the_main_ranks_state(tmp_path):
+    result = str(tmp_path / "state")
+    mp.start_processes(_state_worker, args=(2, free_port(), result), nprocs=2,
+                       start_method="spawn")
+    (sent, error0), (got, error1) = (torch.load(f"{result}.{r}") for r in (0, 1))
+    assert error0 is None and error1 is None and got["epoch"] == 3
+    assert all(torch.equal(got["model"][k], sent["model"][k]) for k in sent["model"])
 
 
 # ------------------------------------------------------------------- launcher detection
