@@ -67,20 +67,17 @@ class Comm:
         return tensor
 
     def broadcast_state(self, obj, src=0):
-        """Rank `src`'s `obj` on every rank: plain data (tensors, numbers, strings, containers,
-        what a checkpoint holds), sent as `torch.save` writes it and read with weights_only.
-
-        Not broadcast_object_list: it pickles each tensor with its whole storage, so an async
-        server's checkpoint, whose ~100 tensors are views into one flat vector, grew from 43 MB
-        to 1.25 GB, and workers still unpickling it missed rank 0's next collective."""
+        """Rank `src`'s plain data (what a checkpoint holds) on every rank, as torch.save writes
+        it, read with weights_only.  Not broadcast_object_list: it pickles each tensor with its
+        whole storage, so an async server's checkpoint (views into one flat vector) grew from
+        43 MB to 1.25 GB, and workers still unpickling it missed rank 0's next collective."""
         if self.world_size == 1:
             return obj
-        device = _collective_device(self.backend)
-        if self.rank == src:
-            data = pack_state(obj).to(device)
-            size = torch.tensor([data.numel()], device=device)
-        else:
-            size = torch.zeros(1, dtype=torch.long, device=device)
+        # nccl takes CUDA tensors only
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
+            else torch.device("cpu")
+        data = pack_state(obj).to(device) if self.rank == src else None
+        size = torch.tensor([data.numel() if data is not None else 0], device=device)
         dist.broadcast(size, src=src)
         if self.rank != src:
             data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
@@ -89,10 +86,8 @@ class Comm:
 
     def broadcast_parameters(self, model, src=0):
         """Synchronous initialisation: every rank starts from rank `src`'s weights and buffers.
-
-        A collective sends a tensor's memory as it lies, so a tensor stored otherwise (a
-        channels_last convolution, as --amp keeps an async worker's while its server's is
-        not) goes through a contiguous copy: raw, its weights would arrive permuted."""
+        A collective sends memory as it lies: a channels_last tensor (an async worker's with
+        --amp, its server's is not) goes through a contiguous copy, or arrives permuted."""
         if self.world_size == 1:
             return
         for tensor in list(model.parameters()) + list(model.buffers()):
@@ -122,8 +117,7 @@ class Comm:
 
 
 def pack_state(obj):
-    """`obj` as torch.save writes it (each storage once, however many views share it), in a
-    uint8 tensor."""
+    """`obj` as torch.save writes it (each storage once, however many views share it)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
@@ -132,11 +126,6 @@ def pack_state(obj):
 def unpack_state(data):
     """What `pack_state` packed, read with weights_only=True: plain data, never code."""
     return torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=True)
-
-
-def _collective_device(backend):
-    """Where a collective's tensors must be: nccl takes CUDA tensors only."""
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
 
 
 def import_before_init():

@@ -223,3 +223,43 @@ def test_convergence_records_the_precision_the_flags_choose(monkeypatch):
         assert convergence.machine([])["precision"] == process.precision_name(native)
         assert convergence.machine(["--no-amp"])["precision"] == "fp32"
         assert convergence.machine(["--lr", "0.1", "--amp"])["precision"] != "fp32"
+
+
+def test_convergence_on_a_gpu_machine_shares_the_gpu_and_the_cores(monkeypatch):
+    """--device cuda --launcher torchrun --parallel K: every rank on the one GPU, so sync SGD
+    over gloo (nccl refuses two ranks on one GPU), started by torchrun (no MPI there), each
+    process with cores / (processes x K) threads."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import convergence
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    cfg = dict(convergence.FULL, device="cuda", launcher="torchrun", parallel=2)
+    sync = convergence.command("sync", 4, "/data", "/out", cfg, seed=7)
+    assert sync[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port"]
+    assert sync[7].endswith("sync_sgd_cifar100.py")
+    assert sync[sync.index("--device") + 1] == "cuda"
+    assert sync[sync.index("--backend") + 1] == "gloo"
+    assert sync[sync.index("--seed") + 1] == "7"
+    worker = convergence.command("async", 5, "/data", "/out", cfg, seed=7)
+    assert worker[7].endswith("async_sgd_cifar100.py") and "--backend" not in worker
+    assert convergence.threads(4, cfg) == "2" and convergence.threads(5, cfg) == "1"
+    assert "--backend" not in convergence.command("sync", 4, "/d", "/o", convergence.FULL, 0)
+
+
+def test_convergence_in_parallel_keeps_every_run_that_ended(monkeypatch, tmp_path):
+    """With --parallel K a failed run is left out and the others are kept, by seed."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import convergence
+    monkeypatch.setattr(convergence, "make_yardstick", lambda root, n_train, n_test: root)
+    monkeypatch.setattr(convergence, "save_partial", lambda results: None)
+
+    def train(kind, processes, data_dir, cfg, seed):
+        if kind == "async" and seed == 1:
+            raise RuntimeError("async on 3 processes, seed 1: exit 1")
+        return [{"epoch": 1.0, "test_acc": 40.0 + seed + (kind == "async"), "train_loss": 2.0,
+                 "mean_staleness": 1.0, "max_staleness": 2.0}], 1.0
+
+    monkeypatch.setattr(convergence, "train", train)
+    result = convergence.run(False, ["sync, 2 ranks", "async, 2 workers"], [2, 0, 1],
+                             epochs=1, parallel=2)
+    assert result["summary"]["sync, 2 ranks"]["finals"] == [40.0, 41.0, 42.0]
+    assert result["summary"]["async, 2 workers"]["finals"] == [41.0, 43.0]
