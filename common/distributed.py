@@ -91,9 +91,10 @@ class Comm:
         if self.world_size == 1:
             return
         for tensor in list(model.parameters()) + list(model.buffers()):
-            data = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
+            laid_out = tensor.is_contiguous()
+            data = tensor.data if laid_out else tensor.data.contiguous()
             dist.broadcast(data, src=src)
-            if data is not tensor.data:
+            if not laid_out:
                 tensor.data.copy_(data)
 
     def average_buffers(self, model):

@@ -13,7 +13,7 @@ should; "survived": they all passed -- the suite cannot tell the bug from the re
 "error": the edit no longer applies (its original text is not found exactly once: the mutant is
 stale and must be updated with the code), or the tests timed out or could not run.  First, the
 same tests run once on an unmutated copy: a failure there would pass for a kill, so the run
-stops (exit status 2).  The working tree is never changed.  The whole list takes about 9
+stops (exit status 2).  The working tree is never changed.  The whole list takes about 12
 minutes on 2 cores.
 """
 import argparse
@@ -329,6 +329,18 @@ MUTANTS = [
            (PULL_FROM,),
            "--pull-from ignored: gradients one update late are pulled too (with 2 workers, "
            "nearly every update)"),
+    Mutant("broadcast-memory-as-it-lies", "common/distributed.py",
+           "data = tensor.data if laid_out else tensor.data.contiguous()",
+           "data = tensor.data",
+           ("tests/test_distributed.py", "-k", "identical_parameters"),
+           "a contiguous tensor broadcast into a channels_last one (an async worker's with "
+           "--amp): its convolution weights arrive permuted"),
+    Mutant("resume-pickles-every-view", "common/distributed.py",
+           "    torch.save(obj, buffer)\n",
+           "    __import__('pickle').Pickler(buffer).dump(obj)\n",
+           ("tests/test_distributed.py", "-k", "state_of_views"),
+           "the checkpoint is pickled for the other ranks, each tensor with its whole storage: "
+           "an async server's 43 MB becomes 1.25 GB"),
 ]
 
 
