@@ -255,9 +255,9 @@ class Server:
         self.version = state.extra.get("updates", state.epoch * updates_per_epoch)
         self.workers = list(self.v)
         self.replies = {w: torch.zeros(self.layout.reply_size) for w in self.workers}
-        # on a GPU the reply is computed there first: `out=` takes no tensor of another device
-        self.reply_scratch = (torch.empty_like(self.theta) if self.theta.device.type != "cpu"
-                              else None)
+        # on a GPU the extrapolated reply is computed there: `out=` takes no other device's tensor
+        self.reply_scratch = (torch.empty_like(self.theta)
+                              if self.ahead and self.theta.device.type != "cpu" else None)
         # --pull P: each update also moves the parameters P / N of the way back to where its
         # gradient was computed (with one worker they are the same: nothing to pull)
         self.pull = args.pull / n_workers if n_workers > 1 else 0.0
@@ -349,17 +349,17 @@ class Server:
             self.pending[worker].wait()  # the previous reply to it has left the buffer
         out = self.replies[worker]
         out[0] = status
-        # computed on the parameters' device (a GPU's), then into the message (on the CPU)
-        target = out[1:] if self.reply_scratch is None else self.reply_scratch
+        body = out[1:]
         if self.ahead:  # where the next K updates are expected to take the parameters
+            target = body if self.reply_scratch is None else self.reply_scratch
             torch.add(self.theta, self.v_total, alpha=-self.ahead * self.lr() / self.n_workers,
                       out=target)
         else:
-            target.copy_(self.theta)
-        if self.reply_scratch is not None:
-            out[1:].copy_(target)
+            target = self.theta
+        if target.data_ptr() != body.data_ptr():
+            body.copy_(target)
         sent = self.sent.get(worker)
-        if sent is not None and sent.data_ptr() != out[1:].data_ptr():  # on a GPU
+        if sent is not None and sent.data_ptr() != body.data_ptr():  # on a GPU
             sent.copy_(target)
         self.pending[worker] = dist.isend(out, dst=worker)
         self.sent_version[worker] = self.version

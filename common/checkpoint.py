@@ -88,7 +88,8 @@ def check_plain(value, where="checkpoint"):
 
 
 def load_plain(path):
-    """torch.load with weights_only=True: tensors, numbers, strings and containers, no code."""
+    """torch.load of a path or file with weights_only=True: tensors, numbers, strings and
+    containers, no code."""
     with warnings.catch_warnings():  # torch's notes on odd files would break the one line
         warnings.simplefilter("ignore")
         return torch.load(path, map_location="cpu", weights_only=True)

@@ -17,6 +17,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
+from .checkpoint import load_plain
 from .launch import check_torchrun_master, choose_gloo_interface
 from .process import PeerLost, UserError
 
@@ -125,8 +126,8 @@ def pack_state(obj):
 
 
 def unpack_state(data):
-    """What `pack_state` packed, read with weights_only=True: plain data, never code."""
-    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=True)
+    """What `pack_state` packed, read as a checkpoint is: plain data, never code."""
+    return load_plain(io.BytesIO(data.numpy().tobytes()))
 
 
 def import_before_init():

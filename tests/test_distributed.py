@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -90,26 +91,34 @@ def loader_for(global_batch, rank, world):
                         mean=(0.5,) * 3, std=(0.25,) * 3, rank=rank, world_size=world, seed=7)
 
 
-def _sync_worker(rank, world, port, divide_by, result_path, exchange="buckets"):
-    from sync_sgd_cifar100 import BucketedAllReduce, average_gradients
+@contextmanager
+def _join_gloo(rank, world, port):
+    """A spawned rank's gloo group on loopback, one thread; at the end every rank waits for the
+    others to be done with their collectives before any tears gloo down."""
     torch.set_num_threads(1)
     import_before_init()  # as distributed.start does (see there)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    torch.manual_seed(rank)  # different seeds: the broadcast must make them equal
-    model = NoBatchNormNet()
-    Comm(Launch("test", rank, world)).broadcast_parameters(model)
-    if exchange == "per-parameter":  # the slides' way: one all_reduce per parameter
-        step = lambda: average_gradients(model, divide_by)  # noqa: E731
-    else:
-        reducer = BucketedAllReduce(model, divide_by, bucket_mb=0.001)  # many buckets
-        assert len(reducer.buckets) > 2
-        step = reducer.wait
-    params = train_steps(model, loader_for(16, rank, world), 2, step)
-    if rank == 0:
-        torch.save(params, result_path)
-    dist.barrier()  # both ranks done with every collective before either tears gloo down
+    yield
+    dist.barrier()
     dist.destroy_process_group()
+
+
+def _sync_worker(rank, world, port, divide_by, result_path, exchange="buckets"):
+    from sync_sgd_cifar100 import BucketedAllReduce, average_gradients
+    with _join_gloo(rank, world, port):
+        torch.manual_seed(rank)  # different seeds: the broadcast must make them equal
+        model = NoBatchNormNet()
+        Comm(Launch("test", rank, world)).broadcast_parameters(model)
+        if exchange == "per-parameter":  # the slides' way: one all_reduce per parameter
+            step = lambda: average_gradients(model, divide_by)  # noqa: E731
+        else:
+            reducer = BucketedAllReduce(model, divide_by, bucket_mb=0.001)  # many buckets
+            assert len(reducer.buckets) > 2
+            step = reducer.wait
+        params = train_steps(model, loader_for(16, rank, world), 2, step)
+        if rank == 0:
+            torch.save(params, result_path)
 
 
 def sync_params(tmp_path, divide_by, exchange="buckets"):
@@ -141,21 +150,16 @@ def test_per_parameter_averaging_equals_one_process_too(tmp_path):
 
 
 def _broadcast_worker(rank, world, port, result_path, channels_last):
-    torch.set_num_threads(1)
-    import_before_init()  # as distributed.start does (see there)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    from common.model import HW4ResNet
-    torch.manual_seed(1000 + rank)
-    model = HW4ResNet(10)
-    if rank and channels_last:  # an async worker with --amp; its server's stays contiguous
-        model = model.to(memory_format=torch.channels_last)
-    before = torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values()])
-    Comm(Launch("test", rank, world)).broadcast_parameters(model)
-    after = torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values()])
-    torch.save((before, after), f"{result_path}.{rank}")
-    dist.barrier()
-    dist.destroy_process_group()
+    with _join_gloo(rank, world, port):
+        from common.model import HW4ResNet
+        torch.manual_seed(1000 + rank)
+        model = HW4ResNet(10)
+        if rank and channels_last:  # an async worker with --amp; its server's stays contiguous
+            model = model.to(memory_format=torch.channels_last)
+        before = torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values()])
+        Comm(Launch("test", rank, world)).broadcast_parameters(model)
+        after = torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values()])
+        torch.save((before, after), f"{result_path}.{rank}")
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
@@ -188,16 +192,11 @@ def test_a_state_of_views_travels_at_its_size_and_as_plain_data():
 
 
 def _state_worker(rank, world, port, result_path):
-    torch.set_num_threads(1)
-    import_before_init()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    torch.manual_seed(0)
-    state = _views_of_one_vector() if rank == 0 else None
-    got = Comm(Launch("test", rank, world), "gloo").broadcast_state((state, None))
-    torch.save(got, f"{result_path}.{rank}")
-    dist.barrier()
-    dist.destroy_process_group()
+    with _join_gloo(rank, world, port):
+        torch.manual_seed(0)
+        state = _views_of_one_vector() if rank == 0 else None
+        got = Comm(Launch("test", rank, world), "gloo").broadcast_state((state, None))
+        torch.save(got, f"{result_path}.{rank}")
 
 
 def test_every_rank_gets_the_main_ranks_state(tmp_path):
