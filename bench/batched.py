@@ -336,6 +336,9 @@ def parse_args(argv=None):
     p.add_argument("--order-seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="append each variant's result as a JSON line here")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="start no variant that the last one's time says would end after this "
+                        "many seconds (a device call's limit)")
     args = p.parse_args(argv)
     variants = []
     for text in args.variants:
@@ -359,9 +362,13 @@ def main(argv=None):
     print(f"{len(args.seeds)} seeds x {args.workers} workers, {args.epochs} epochs, "
           f"{args.train} / {args.test} yardstick images, global batch {args.batch_size}, lr "
           f"{args.lr}, {device}", flush=True)
-    results = []
+    results, began, last = [], time.perf_counter(), 0.0
     for text, rule in args.variants:
         start = time.perf_counter()
+        if args.budget is not None and start - began + last > args.budget:
+            print(f"skipped {text!r}: it would end after the {args.budget:g} s budget",
+                  flush=True)
+            continue
         result = train(text, rule, args.seeds, args, train_set, test_set, device,
                        log=lambda line: print(line, flush=True))
         result.update(seconds=round(time.perf_counter() - start, 1), workers=args.workers,
@@ -371,6 +378,7 @@ def main(argv=None):
                       device=torch.cuda.get_device_name(device) if device.type == "cuda"
                       else "cpu")
         results.append(result)
+        last = result["seconds"]
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(result) + "\n")

@@ -152,6 +152,15 @@ def test_the_command_line_trains_every_variant_and_reports_the_gap(tmp_path, cap
     assert all(mean == pytest.approx(1.0, abs=0.5) for mean, _ in results[1]["staleness"])
     table = capsys.readouterr().out.splitlines()
     assert any(line.startswith("| default | 2 |") for line in table), table
+    # a budget the first variant already used up: the others are skipped, with a line each
+    batched.main(["--train", "32", "--test", "16", "--epochs", "1", "--batch-size", "16",
+                  "--workers", "2", "--seeds", "0", "--device", "cpu", "--variants", "sync",
+                  "default", "--ahead 0", "--budget", "0.001", "--json", str(out)])
+    assert len(out.read_text().splitlines()) == 4
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if line.startswith("skipped")] == [
+        "skipped 'default': it would end after the 0.001 s budget",
+        "skipped '--ahead 0': it would end after the 0.001 s budget"]
 
 
 def test_a_variant_that_is_not_the_rules_flags_is_one_error_line(capsys):
