@@ -29,6 +29,7 @@ string: "--pull 0.4", "--pull-from 0", "--ahead 0", "--no-fresh-head", "--moment
 """
 import argparse
 import copy
+import itertools
 import json
 import math
 import os
@@ -39,6 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import util  # noqa: E402  (sets sys.path for the repository)
+from util import log, out_of_time, set_budget, table  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -239,7 +241,7 @@ class SyncServer:
         self.version += 1
 
 
-def train(variant, rule, seeds, args, train_set, test_set, device, log=print):
+def train(variant, rule, seeds, args, train_set, test_set, device):
     """One variant over `seeds`: test accuracy per epoch and seed, and the staleness seen."""
     N, b = args.workers, args.batch_size // args.workers
     copies = Copies(seeds, N, len(train_set.classes), device, args.label_smoothing)
@@ -288,19 +290,16 @@ def train(variant, rule, seeds, args, train_set, test_set, device, log=print):
     return result
 
 
-def seed_list(text):
-    """'0-39' or '0,1,5' or '3' -> a list of ints."""
-    if "-" in text:
-        first, last = text.split("-")
-        return list(range(int(first), int(last) + 1))
-    return [int(s) for s in text.split(",")]
+def seed_range(text):
+    """'3' -> [3]; '100-139' -> [100, ..., 139] (--seeds takes several of either)."""
+    first, _, last = text.partition("-")
+    return list(range(int(first), int(last or first) + 1))
 
 
 def report(results):
     """Final test accuracy of each variant (mean ± s.e. over seeds) and its gap to sync."""
     sync = next((r for r in results if r["variant"] == "sync"), None)
-    lines = ["| variant | seeds | final test acc | ± s.e. | gap to sync | ± s.e. |",
-             "|---|---|---|---|---|---|"]
+    rows = []
     for r in results:
         final = r["test_acc"][-1]
         se = (f"{statistics.stdev(final) / math.sqrt(len(final)):.2f}" if len(final) > 1
@@ -311,9 +310,10 @@ def report(results):
             gap = (f"{statistics.mean(diffs):+.2f}",
                    f"{statistics.stdev(diffs) / math.sqrt(len(diffs)):.2f}"
                    if len(diffs) > 1 else "")
-        lines.append(f"| {r['variant']} | {len(final)} | {statistics.mean(final):.2f} | "
-                     f"{se} | {gap[0]} | {gap[1]} |")
-    return "\n".join(lines)
+        rows.append([r["variant"], len(final), f"{statistics.mean(final):.2f}", se, *gap])
+    return table("Final test accuracy (%), mean over seeds; the gap to sync paired by seed",
+                 ["variant", "seeds", "final test acc", "± s.e.", "gap to sync", "± s.e."],
+                 rows)
 
 
 def parse_args(argv=None):
@@ -322,7 +322,8 @@ def parse_args(argv=None):
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--variants", nargs="+", default=["sync", "default"])
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--seeds", type=seed_list, default=seed_list("0-3"))
+    p.add_argument("--seeds", nargs="+", type=seed_range, default=[[0, 1, 2, 3]],
+                   help="seeds and ranges of seeds, e.g. 0 1 5 or 100-139")
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--batch-size", type=int, default=64, help="the global batch")
     p.add_argument("--lr", type=float, default=0.15)
@@ -336,10 +337,11 @@ def parse_args(argv=None):
     p.add_argument("--order-seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="append each variant's result as a JSON line here")
-    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--budget", type=float, default=0, metavar="SECONDS",
                    help="start no variant that the last one's time says would end after this "
                         "many seconds (a device call's limit)")
     args = p.parse_args(argv)
+    args.seeds = list(itertools.chain.from_iterable(args.seeds))
     variants = []
     for text in args.variants:
         try:
@@ -359,18 +361,17 @@ def main(argv=None):
     train_set, test_set = yardstick(args.train, args.test, 0)
     for s in (train_set, test_set):
         s.images, s.labels = s.images.to(device), s.labels.to(device)  # shared by every copy
-    print(f"{len(args.seeds)} seeds x {args.workers} workers, {args.epochs} epochs, "
+    log(f"{len(args.seeds)} seeds x {args.workers} workers, {args.epochs} epochs, "
           f"{args.train} / {args.test} yardstick images, global batch {args.batch_size}, lr "
-          f"{args.lr}, {device}", flush=True)
-    results, began, last = [], time.perf_counter(), 0.0
+          f"{args.lr}, {device}")
+    set_budget(args.budget)
+    results, last = [], 0.0
     for text, rule in args.variants:
-        start = time.perf_counter()
-        if args.budget is not None and start - began + last > args.budget:
-            print(f"skipped {text!r}: it would end after the {args.budget:g} s budget",
-                  flush=True)
+        if out_of_time(last):  # the last variant's time: about this one's
+            log(f"skipped {text!r}: it would end after the {args.budget:g} s budget")
             continue
-        result = train(text, rule, args.seeds, args, train_set, test_set, device,
-                       log=lambda line: print(line, flush=True))
+        start = time.perf_counter()
+        result = train(text, rule, args.seeds, args, train_set, test_set, device)
         result.update(seconds=round(time.perf_counter() - start, 1), workers=args.workers,
                       order=args.order, recipe=dict(epochs=args.epochs, batch=args.batch_size,
                                                     lr=args.lr, train=args.train,
@@ -382,7 +383,7 @@ def main(argv=None):
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(result) + "\n")
-    print(report(results), flush=True)
+    log(report(results))
 
 
 if __name__ == "__main__":
