@@ -144,6 +144,7 @@ def summary(results):
             "final_max": max(finals), "finals": finals,
             "final_train_loss": statistics.mean(rows[-1]["train_loss"]
                                                 for rows in per_seed.values()),
+            "train_losses": [rows[-1]["train_loss"] for rows in per_seed.values()],
             "curve": [statistics.mean(rows[e]["test_acc"] for rows in per_seed.values())
                       for e in range(epochs)],
             "mean_staleness": statistics.mean(
@@ -175,26 +176,36 @@ def save_partial(results):
     os.replace(path + ".tmp", path)
 
 
+def gap(stats, name, ref, key, digits):
+    """'+gap ± its standard error' of `key` (a list per seed) between two runs, or None."""
+    if ref not in stats:
+        return None
+    ours, theirs = stats[name][key], stats[ref][key]
+    error = gap_error(ours, theirs)
+    return (f"{statistics.mean(ours) - statistics.mean(theirs):+.{digits}f}" +
+            ("" if error is None else f" ± {error:.{digits}f}"))
+
+
 def report(cfg, stats, walls, names):
     """Print the table from `summary`'s `stats`: per run, the accuracy per epoch and the final
-    one (mean over seeds), its spread, the final training loss, the gap to sync with its
-    standard error, staleness."""
+    one (mean over seeds), its spread, the final training loss, the gaps to sync in both with
+    their standard errors, staleness.  The training loss's gap is the steadier measure of how
+    well a rule optimises (BENCHMARKS.md, "Many seeds at once")."""
     references = {name: ref for name, _, _, ref in runs(cfg)}
     header = ["run", *[f"epoch {e + 1}" for e in range(cfg["epochs"])], "final mean",
-              "min", "max", "seeds", "train loss", "gap to sync", "staleness mean", "max",
-              "wall s"]
+              "min", "max", "seeds", "train loss", "gap to sync", "train loss gap",
+              "staleness mean", "max", "wall s"]
     lines = []
     for name in names:
         if name not in stats:
             continue
         s, ref = stats[name], references[name]
-        gap = s["final_mean"] - stats[ref]["final_mean"] if ref in stats else None
-        error = gap_error(s["finals"], stats[ref]["finals"]) if ref in stats else None
+        accuracy_gap = gap(stats, name, ref, "finals", 2)
         lines.append([name, *[round(a, 2) for a in s["curve"]], round(s["final_mean"], 2),
                       round(s["final_min"], 2), round(s["final_max"], 2), len(s["finals"]),
                       round(s["final_train_loss"], 3),
-                      None if gap is None else
-                      f"{gap:+.2f}{'' if error is None else f' ± {error:.2f}'} ({ref})",
+                      None if accuracy_gap is None else f"{accuracy_gap} ({ref})",
+                      gap(stats, name, ref, "train_losses", 3),
                       round(s["mean_staleness"], 2) if ref else None,
                       int(s["max_staleness"]) if ref else None,
                       round(statistics.mean(walls[name])) if walls.get(name) else None])

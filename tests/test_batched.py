@@ -7,6 +7,7 @@ batched sync step against torch.optim.SGD; and the command line end to end, on t
 """
 import json
 import os
+import statistics
 import sys
 
 import pytest
@@ -147,12 +148,19 @@ def test_the_command_line_trains_every_variant_and_reports_the_gap(tmp_path, cap
     for r in results:
         assert len(r["test_acc"]) == 2 and all(len(epoch) == 2 for epoch in r["test_acc"])
         assert all(0.0 <= a <= 100.0 for epoch in r["test_acc"] for a in epoch)
-        assert 0.0 < r["train_loss"][-1] < 20.0
+        assert len(r["train_loss"]) == 2 and all(len(epoch) == 2 for epoch in r["train_loss"])
+        assert all(0.0 < v < 20.0 for epoch in r["train_loss"] for v in epoch)
     assert results[0]["staleness"] == []
     assert all(mean == pytest.approx(1.0, abs=0.5) for mean, _ in results[1]["staleness"])
     table = [[cell.strip() for cell in line.strip("|").split("|")]
              for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
-    assert any(row[:2] == ["default", "2"] for row in table), table
+    rows = {row[0]: row for row in table}
+    assert rows["default"][1] == "2", table
+    # the gaps to sync, paired by seed: test accuracy, then training loss
+    for column, key, digits in ((4, "test_acc", 2), (8, "train_loss", 3)):
+        gaps = [a - s for a, s in zip(results[1][key][-1], results[0][key][-1])]
+        assert rows["default"][column] == f"{statistics.mean(gaps):.{digits}f}", table
+    assert rows["sync"][4] == "", table
     # a budget the first variant already used up: the others are skipped, with a line each
     batched.main(["--train", "32", "--test", "16", "--epochs", "1", "--batch-size", "16",
                   "--workers", "2", "--seeds", "0", "--device", "cpu", "--variants", "sync",

@@ -212,6 +212,30 @@ def test_convergence_merge_pools_seeds_of_one_precision_only(monkeypatch, tmp_pa
                            part("sync, 2 ranks", 3, 44.0, bf16, gpu="NVIDIA H200")])
 
 
+def test_convergence_reports_the_training_loss_gap_beside_the_accuracy_gap(monkeypatch,
+                                                                           capsys):
+    """The table gives each async run's gap to sync in final training loss too (mean and
+    standard error over seeds): the steadier measure of how well a rule optimises."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import convergence
+
+    def rows(acc, loss):
+        return [{"epoch": 1.0, "test_acc": acc, "train_loss": loss, "mean_staleness": 1.0,
+                 "max_staleness": 2.0}]
+    results = {"sync, 2 ranks": {0: rows(40.0, 2.0), 1: rows(44.0, 2.2)},
+               "async, 2 workers": {0: rows(39.0, 2.1), 1: rows(41.0, 2.5)}}
+    cfg = dict(convergence.FULL, epochs=1, seeds=(0, 1), sync=(2,), workers=(2,))
+    convergence.report(cfg, convergence.summary(results), {},
+                       ["sync, 2 ranks", "async, 2 workers"])
+    table = [[cell.strip() for cell in line.strip("|").split("|")]
+             for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    header, row = table[0], next(r for r in table if r[0] == "async, 2 workers")
+    # accuracy: 40.0 against 42.0; training loss: 2.3 against 2.1; the standard error of a
+    # difference of two means over 2 seeds, sqrt(2 / 2 + 8 / 2) and sqrt(0.08 / 2 + 0.02 / 2)
+    assert row[header.index("gap to sync")] == "-2.00 ± 2.24 (sync, 2 ranks)"
+    assert row[header.index("train loss gap")] == "+0.200 ± 0.224"
+
+
 def test_convergence_records_the_precision_the_flags_choose(monkeypatch):
     """--flags=--no-amp on a CPU with native bf16 runs fp32, and the JSON must say so (it
     once recorded the CPU's default, bf16, for fp32 runs)."""
