@@ -26,6 +26,11 @@ batch BatchNorm under vmap.
 
 A variant is "sync", "default" (the script's defaults), or the script's rule flags in one
 string: "--pull 0.4", "--pull-from 0", "--ahead 0", "--no-fresh-head", "--momentum 0.8".
+
+It reports each variant's gaps to sync in final test accuracy and in final training loss,
+paired by seed.  The training loss's gap is the steadier (BENCHMARKS.md, "Many seeds at
+once"): it opens in epoch 2, the first at the peak rate, so --stop-after 3 (the first 3
+epochs of the same schedule) screens in half the time.
 """
 import argparse
 import copy
@@ -259,7 +264,7 @@ def train(variant, rule, seeds, args, train_set, test_set, device):
     result = {"variant": variant, "seeds": list(seeds), "test_acc": [], "test_loss": [],
               "train_loss": [], "staleness": []}
     torch.manual_seed(args.order_seed)  # dropout masks
-    for epoch in range(args.epochs):
+    for epoch in range(args.stop_after or args.epochs):
         start = time.perf_counter()
         for shard in loaders:
             shard.set_epoch(epoch)
@@ -334,7 +339,10 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--seeds", nargs="+", type=seed_range, default=[[0, 1, 2, 3]],
                    help="seeds and ranges of seeds, e.g. 0 1 5 or 100-139")
-    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--epochs", type=int, default=6, help="the schedule's length")
+    p.add_argument("--stop-after", type=int, default=0, metavar="E",
+                   help="train only the schedule's first E epochs (a quicker screen on the "
+                        "training loss, which has the gap from epoch 2 on: BENCHMARKS.md)")
     p.add_argument("--batch-size", type=int, default=64, help="the global batch")
     p.add_argument("--lr", type=float, default=0.15)
     p.add_argument("--momentum", type=float, default=0.9)
@@ -362,6 +370,8 @@ def parse_args(argv=None):
     args.variants = variants
     if args.batch_size % args.workers:
         p.error(f"--batch-size {args.batch_size} is not a multiple of --workers {args.workers}")
+    if not 0 <= args.stop_after <= args.epochs:
+        p.error(f"--stop-after {args.stop_after}: choose 1 to --epochs {args.epochs} (0: all)")
     return args
 
 
@@ -371,9 +381,10 @@ def main(argv=None):
     train_set, test_set = yardstick(args.train, args.test, 0)
     for s in (train_set, test_set):
         s.images, s.labels = s.images.to(device), s.labels.to(device)  # shared by every copy
-    log(f"{len(args.seeds)} seeds x {args.workers} workers, {args.epochs} epochs, "
-          f"{args.train} / {args.test} yardstick images, global batch {args.batch_size}, lr "
-          f"{args.lr}, {device}")
+    trained = f" (the first {args.stop_after} trained)" if args.stop_after else ""
+    log(f"{len(args.seeds)} seeds x {args.workers} workers, {args.epochs} epochs{trained}, "
+        f"{args.train} / {args.test} yardstick images, global batch {args.batch_size}, lr "
+        f"{args.lr}, {device}")
     set_budget(args.budget)
     results, last = [], 0.0
     for text, rule in args.variants:
@@ -383,9 +394,10 @@ def main(argv=None):
         start = time.perf_counter()
         result = train(text, rule, args.seeds, args, train_set, test_set, device)
         result.update(seconds=round(time.perf_counter() - start, 1), workers=args.workers,
-                      order=args.order, recipe=dict(epochs=args.epochs, batch=args.batch_size,
-                                                    lr=args.lr, train=args.train,
-                                                    test=args.test),
+                      order=args.order, recipe=dict(epochs=args.epochs,
+                                                    stop_after=args.stop_after,
+                                                    batch=args.batch_size, lr=args.lr,
+                                                    train=args.train, test=args.test),
                       device=torch.cuda.get_device_name(device) if device.type == "cuda"
                       else "cpu")
         results.append(result)

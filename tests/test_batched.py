@@ -161,6 +161,19 @@ def test_the_command_line_trains_every_variant_and_reports_the_gap(tmp_path, cap
         gaps = [a - s for a, s in zip(results[1][key][-1], results[0][key][-1])]
         assert rows["default"][column] == f"{statistics.mean(gaps):.{digits}f}", table
     assert rows["sync"][4] == "", table
+    # --stop-after 1 trains the first epoch of the same 2-epoch schedule, not a 1-epoch one
+    # (with half an epoch of warm-up, the two schedules differ within the first epoch)
+    runs = []
+    for stop in ([], ["--stop-after", "1"]):
+        path = tmp_path / f"stop{len(stop)}.jsonl"
+        batched.main(["--train", "32", "--test", "16", "--epochs", "2", "--warmup-epochs",
+                      "0.5", "--batch-size", "16", "--workers", "2", "--seeds", "0-1",
+                      "--device", "cpu", "--variants", "default", "--json", str(path), *stop])
+        runs.append(json.loads(path.read_text()))
+    whole, stopped = runs
+    assert len(stopped["train_loss"]) == 1 and len(whole["train_loss"]) == 2
+    assert stopped["train_loss"] == whole["train_loss"][:1]
+    assert stopped["test_acc"] == whole["test_acc"][:1]
     # a budget the first variant already used up: the others are skipped, with a line each
     batched.main(["--train", "32", "--test", "16", "--epochs", "1", "--batch-size", "16",
                   "--workers", "2", "--seeds", "0", "--device", "cpu", "--variants", "sync",
