@@ -138,13 +138,12 @@ def summary(results):
     out = {}
     for name, per_seed in results.items():
         finals = [rows[-1]["test_acc"] for rows in per_seed.values()]
+        train_losses = [rows[-1]["train_loss"] for rows in per_seed.values()]
         epochs = len(next(iter(per_seed.values())))
         out[name] = {
             "final_mean": statistics.mean(finals), "final_min": min(finals),
             "final_max": max(finals), "finals": finals,
-            "final_train_loss": statistics.mean(rows[-1]["train_loss"]
-                                                for rows in per_seed.values()),
-            "train_losses": [rows[-1]["train_loss"] for rows in per_seed.values()],
+            "final_train_loss": statistics.mean(train_losses), "train_losses": train_losses,
             "curve": [statistics.mean(rows[e]["test_acc"] for rows in per_seed.values())
                       for e in range(epochs)],
             "mean_staleness": statistics.mean(

@@ -41,3 +41,10 @@ def one_error_line(proc, *needles):
     for needle in needles:
         assert str(needle) in lines[0], (needle, lines[0])
     return lines[0]
+
+
+def markdown_rows(text):
+    """The cells of every Markdown table line in `text` (header, separator and rows), each
+    stripped of its padding."""
+    return [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in text.splitlines() if line.startswith("|")]

@@ -18,7 +18,7 @@ import async_sgd_cifar100
 from common import loader, training
 from common.checkpoint import State
 from common.model import build_model
-from helpers import ROOT
+from helpers import ROOT, markdown_rows
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import batched  # noqa: E402
@@ -152,8 +152,7 @@ def test_the_command_line_trains_every_variant_and_reports_the_gap(tmp_path, cap
         assert all(0.0 < v < 20.0 for epoch in r["train_loss"] for v in epoch)
     assert results[0]["staleness"] == []
     assert all(mean == pytest.approx(1.0, abs=0.5) for mean, _ in results[1]["staleness"])
-    table = [[cell.strip() for cell in line.strip("|").split("|")]
-             for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    table = markdown_rows(capsys.readouterr().out)
     rows = {row[0]: row for row in table}
     assert rows["default"][1] == "2", table
     # the gaps to sync, paired by seed: test accuracy, then training loss

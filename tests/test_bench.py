@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, child_env, ok
+from helpers import ROOT, child_env, markdown_rows, ok
 
 pytestmark = pytest.mark.slow  # trains for minutes: scheduled first (conftest.py)
 
@@ -227,8 +227,7 @@ def test_convergence_reports_the_training_loss_gap_beside_the_accuracy_gap(monke
     cfg = dict(convergence.FULL, epochs=1, seeds=(0, 1), sync=(2,), workers=(2,))
     convergence.report(cfg, convergence.summary(results), {},
                        ["sync, 2 ranks", "async, 2 workers"])
-    table = [[cell.strip() for cell in line.strip("|").split("|")]
-             for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    table = markdown_rows(capsys.readouterr().out)
     header, row = table[0], next(r for r in table if r[0] == "async, 2 workers")
     # accuracy: 40.0 against 42.0; training loss: 2.3 against 2.1; the standard error of a
     # difference of two means over 2 seeds, sqrt(2 / 2 + 8 / 2) and sqrt(0.08 / 2 + 0.02 / 2)
