@@ -37,11 +37,11 @@ from 2.7 to 1.1 with 2 and from 4.2 to 3.0 with 8; BENCHMARKS.md has the figures
 after its step, the parameters move P / N of the way back to the reply its worker computed on
 (the head excepted: its gradient is fresh), for gradients at least --pull-from S = 2 updates
 stale only. On a quadratic (bench/stability.py) this removes the delayed feedback's
-amplification of the other workers' noise in sharp directions. Pulling every update gained
-3.1 points on average with 4 workers over 3 seeds paired with no pull (the gated pull: +2.15,
-+4.15 and -2.95) and cost 4.4 points with 2 workers (whose gradients are nearly all one update
-late), which the gate leaves alone (BENCHMARKS.md, "Only the gradients two or more updates
-stale pulled").
+amplification of the other workers' noise in sharp directions. With 4 workers, whose
+gradients are nearly all 3 updates late (metrics.csv's `pulled`: 99% of the updates), it
+gained 2.1 points on average over no pull (3 seeds); pulling 2 workers' gradients, nearly all
+one update late, cost 4.4 points (2 seeds), so the gate leaves those alone (BENCHMARKS.md,
+"Only the gradients two or more updates stale pulled", "What the gate leaves to pull").
 --dc-lambda L (off by default) adds delay compensation (DC-ASGD, Zheng et al. 2017) before the
 step: the gradient, computed at the parameters theta_sent its worker was last sent, is moved to
 the current theta along a diagonal curvature estimate, g + L g * g * (theta - theta_sent) /
@@ -312,6 +312,7 @@ class Server:
         staleness = self.version - self.sent_version[worker]
         pull = self.pull if staleness >= self.args.pull_from else 0.0  # --pull-from S
         if pull:  # how far the parameters moved since this worker's were sent
+            self.pulled += 1
             torch.sub(self.theta, self.sent[worker], out=self.gap)
             for head in self.unpulled:
                 self.gap[head] = 0.0
@@ -419,7 +420,7 @@ class Server:
 
     def new_epoch(self):
         self.totals = [0.0, 0.0, 0.0]  # loss sum, correct, samples
-        self.staleness, self.busy = [], 0.0
+        self.staleness, self.busy, self.pulled = [], 0.0, 0
         self.lr_at_start = self.lr()
         self.started = time.perf_counter()
 
@@ -447,11 +448,13 @@ class Server:
                "images_per_s": samples / seconds, "updates": self.version,
                "updates_per_s": updates / seconds,
                "mean_staleness": sum(self.staleness) / updates,
-               "max_staleness": max(self.staleness), "server_busy": self.busy / seconds}
+               "max_staleness": max(self.staleness), "server_busy": self.busy / seconds,
+               "pulled": self.pulled / updates}
         self.state.add(row)
         self.proc.log(training.epoch_line(row, self.args.epochs) +
                       f" | {row['updates_per_s']:.1f} updates/s | staleness mean "
-                      f"{row['mean_staleness']:.2f} max {row['max_staleness']}")
+                      f"{row['mean_staleness']:.2f} max {row['max_staleness']}"
+                      + (f" | {100 * row['pulled']:.0f}% pulled" if self.pull else ""))
         self.save()
         self.folder.write(self.state.rows)  # metrics.csv, curve.png (and tb/)
         self.new_epoch()

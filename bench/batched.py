@@ -17,9 +17,12 @@ own mini-batch (the real scripts' batches: the same shards, order, crops and fli
 seed); then, for all seeds at once, the server applies the round's N gradients one at a time
 and replies to each worker, by the script's rule (`Server.apply` and `Server.reply`: a
 Nesterov buffer per worker, the reply extrapolated --ahead updates, the fresh head, the pull).
-The workers take their turns in a new random order every round (staleness 0 to 2 (N - 1),
-mean N - 1; --order fixed: exactly N - 1; the real scripts show mean N - 1, max N to N + 2 on
-CPUs).  Sync: the round's N gradients averaged, one torch Nesterov step.  Evaluation: the
+The workers take their turns in the same order every round, so every gradient is exactly
+N - 1 updates stale, as in the real scripts: there, once the first epoch has settled the
+turns, the workers keep them (4 workers on an H200 and on 2 CPU cores: staleness 3.00 on
+average per epoch, max 3-5; BENCHMARKS.md, "What the gate leaves to pull").  --order shuffle
+draws a new order every round instead (staleness 0 to 2 (N - 1), mean N - 1), a regime the
+real runs do not show.  Sync: the round's N gradients averaged, one torch Nesterov step.  Evaluation: the
 server's parameters with the workers' BatchNorm statistics averaged, every epoch, as the
 scripts do.  Precision: fp32 (TF32 convolutions on a GPU); the scripts' bf16 autocast does not
 batch BatchNorm under vmap.
@@ -351,7 +354,9 @@ def parse_args(argv=None):
     p.add_argument("--label-smoothing", type=float, default=0.1)
     p.add_argument("--train", type=int, default=6400)
     p.add_argument("--test", type=int, default=2000)
-    p.add_argument("--order", choices=["shuffle", "fixed"], default="shuffle")
+    p.add_argument("--order", choices=["fixed", "shuffle"], default="fixed",
+                   help="the workers' turns: the same every round, as in the real runs "
+                        "(default), or a new random order every round")
     p.add_argument("--order-seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="append each variant's result as a JSON line here")

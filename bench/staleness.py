@@ -38,8 +38,8 @@ parameters named so only (a diagnosis: --fresh-only fc. finds the head's stalene
 warm-up climb).  --fresh-head is the script's remedy for it: the server recomputes the head's
 gradient at its current parameters from the features and labels the worker sends.
 --shuffle-order gives the workers their turns in a new random order every round: staleness 0
-to 2 (N - 1) around N - 1, as in real runs (a fixed order flatters delay compensation:
-BENCHMARKS.md).
+to 2 (N - 1) around N - 1.  The real runs keep their turns (nearly every gradient exactly
+N - 1 updates stale: BENCHMARKS.md, "What the gate leaves to pull"), as the fixed order does.
 --global-batch makes --batch-size the global batch: each worker computes on batch / N and
 each update uses lr / N (async_sgd_cifar100.py's semantics).
 """
@@ -400,7 +400,8 @@ def make_parser():
                         "with one of these (e.g. fc.) after every update; the others stay stale")
     p.add_argument("--shuffle-order", action="store_true",
                    help="the workers take their turns in a new random order every round, so "
-                        "staleness varies from 0 to 2 (N - 1) around N - 1, as in real runs")
+                        "staleness varies from 0 to 2 (N - 1) around N - 1 (real runs keep "
+                        "their turns, as the default order does)")
     p.add_argument("--log-every", type=int, default=0, metavar="ROUNDS",
                    help="also record the mean training loss of every ROUNDS rounds (N updates "
                         "each; sync: N gradients, one update) as train_loss_every; each epoch's "

@@ -669,6 +669,8 @@ def test_async_server_pulls_only_gradients_stale_by_pull_from_or_more(monkeypatc
         assert staleness == 0 or (theta - held[worker]).abs().max() > 1e-3  # a pull to see
         pulled.reply(worker, async_sgd_cifar100.CONTINUE)
         held[worker] = sent[worker]
+    # metrics.csv's `pulled` column counts them: the third and fourth updates of five
+    assert (pulled.pulled, plain.pulled) == (2, 0)
 
 
 def test_async_server_computes_the_heads_gradient_at_its_current_parameters(monkeypatch):

@@ -380,6 +380,9 @@ def test_async_sgd_workers_of_different_speeds_stop_cleanly(cifar_dir, tmp_path)
     rows = metrics(out)
     # while worker 1 sleeps, worker 2 pushes several updates: worker 1's gradients are stale
     assert int(rows[-1]["max_staleness"]) >= 2
+    # and those at least 2 updates stale are pulled (--pull-from 2), worker 2's are not: it
+    # sends 4 of the 8 gradients on parameters at most 1 update old
+    assert 0 < float(rows[-1]["pulled"]) <= 0.5
 
 
 def test_async_sgd_needs_two_processes(cifar_dir, tmp_path):
