@@ -150,6 +150,10 @@ def summary(results):
                 r.get("mean_staleness", 0.0) for rows in per_seed.values() for r in rows),
             "max_staleness": max(r.get("max_staleness", 0.0)
                                  for rows in per_seed.values() for r in rows),
+            # the share of updates --pull pulled back (runs recorded before the column: None)
+            "pulled": statistics.mean(pulled) if (pulled := [
+                r["pulled"] for rows in per_seed.values() for r in rows if "pulled" in r])
+            else None,
             "train_loss_after_first": max(r["train_loss"] for rows in per_seed.values()
                                           for r in rows[1:]) if epochs > 1 else None,
         }
@@ -193,7 +197,7 @@ def report(cfg, stats, walls, names):
     references = {name: ref for name, _, _, ref in runs(cfg)}
     header = ["run", *[f"epoch {e + 1}" for e in range(cfg["epochs"])], "final mean",
               "min", "max", "seeds", "train loss", "gap to sync", "train loss gap",
-              "staleness mean", "max", "wall s"]
+              "staleness mean", "max", "pulled %", "wall s"]
     lines = []
     for name in names:
         if name not in stats:
@@ -207,6 +211,7 @@ def report(cfg, stats, walls, names):
                       gap(stats, name, ref, "train_losses", 3),
                       round(s["mean_staleness"], 2) if ref else None,
                       int(s["max_staleness"]) if ref else None,
+                      None if s["pulled"] is None else round(100 * s["pulled"], 1),
                       round(statistics.mean(walls[name])) if walls.get(name) else None])
     log(table(f"Convergence on the yardstick: test accuracy (%) per epoch, mean over "
               f"{len(cfg['seeds'])} seed(s)", header, lines))

@@ -219,11 +219,12 @@ def test_convergence_reports_the_training_loss_gap_beside_the_accuracy_gap(monke
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import convergence
 
-    def rows(acc, loss):
+    def rows(acc, loss, **extra):
         return [{"epoch": 1.0, "test_acc": acc, "train_loss": loss, "mean_staleness": 1.0,
-                 "max_staleness": 2.0}]
+                 "max_staleness": 2.0, **extra}]
     results = {"sync, 2 ranks": {0: rows(40.0, 2.0), 1: rows(44.0, 2.2)},
-               "async, 2 workers": {0: rows(39.0, 2.1), 1: rows(41.0, 2.5)}}
+               "async, 2 workers": {0: rows(39.0, 2.1, pulled=0.25),
+                                    1: rows(41.0, 2.5, pulled=0.5)}}
     cfg = dict(convergence.FULL, epochs=1, seeds=(0, 1), sync=(2,), workers=(2,))
     convergence.report(cfg, convergence.summary(results), {},
                        ["sync, 2 ranks", "async, 2 workers"])
@@ -233,6 +234,9 @@ def test_convergence_reports_the_training_loss_gap_beside_the_accuracy_gap(monke
     # difference of two means over 2 seeds, sqrt(2 / 2 + 8 / 2) and sqrt(0.08 / 2 + 0.02 / 2)
     assert row[header.index("gap to sync")] == "-2.00 ± 2.24 (sync, 2 ranks)"
     assert row[header.index("train loss gap")] == "+0.200 ± 0.224"
+    # the share of updates pulled back, over every epoch of every seed; sync has none
+    assert row[header.index("pulled %")] == "37.5"
+    assert next(r for r in table if r[0] == "sync, 2 ranks")[header.index("pulled %")] == "-"
 
 
 def test_convergence_records_the_precision_the_flags_choose(monkeypatch):
