@@ -38,7 +38,7 @@ after its step, the parameters move P / N of the way back to the reply its worke
 (the head excepted: its gradient is fresh), for gradients at least --pull-from S = 2 updates
 stale only. On a quadratic (bench/stability.py) this removes the delayed feedback's
 amplification of the other workers' noise in sharp directions. With 4 workers, whose
-gradients are nearly all 3 updates late (metrics.csv's `pulled`: 99% of the updates), it
+gradients are nearly all 2-4 updates late (metrics.csv's `pulled`: 99% of the updates), it
 gained 2.1 points on average over no pull (3 seeds); pulling 2 workers' gradients, nearly all
 one update late, cost 4.4 points (2 seeds), so the gate leaves those alone (BENCHMARKS.md,
 "Only the gradients two or more updates stale pulled", "What the gate leaves to pull").
