@@ -21,12 +21,11 @@ The workers take their turns in the same order every round, so every gradient is
 N - 1 updates stale, as most are in the real scripts: there the workers keep their turns (4
 workers on 2 CPU cores: 87% of the gradients exactly 3 updates stale, nearly all the rest 2
 or 4; on an H200 staleness 3.00 on average per epoch, max 3-5; BENCHMARKS.md, "What the gate
-leaves to pull").  --order shuffle
-draws a new order every round instead (staleness 0 to 2 (N - 1), mean N - 1), a regime the
-real runs do not show.  Sync: the round's N gradients averaged, one torch Nesterov step.  Evaluation: the
-server's parameters with the workers' BatchNorm statistics averaged, every epoch, as the
-scripts do.  Precision: fp32 (TF32 convolutions on a GPU); the scripts' bf16 autocast does not
-batch BatchNorm under vmap.
+leaves to pull").  --order shuffle draws a new order every round instead (staleness 0 to
+2 (N - 1), mean N - 1), a regime the real runs do not show.  Sync: the round's N gradients
+averaged, one torch Nesterov step.  Evaluation: the server's parameters with the workers'
+BatchNorm statistics averaged, every epoch, as the scripts do.  Precision: fp32 (TF32
+convolutions on a GPU); the scripts' bf16 autocast does not batch BatchNorm under vmap.
 
 A variant is "sync", "default" (the script's defaults), or the script's rule flags in one
 string: "--pull 0.4", "--pull-from 0", "--ahead 0", "--no-fresh-head", "--momentum 0.8".

@@ -139,6 +139,8 @@ def summary(results):
     for name, per_seed in results.items():
         finals = [rows[-1]["test_acc"] for rows in per_seed.values()]
         train_losses = [rows[-1]["train_loss"] for rows in per_seed.values()]
+        # the share of updates --pull pulled back (runs recorded before the column have none)
+        pulled = [r["pulled"] for rows in per_seed.values() for r in rows if "pulled" in r]
         epochs = len(next(iter(per_seed.values())))
         out[name] = {
             "final_mean": statistics.mean(finals), "final_min": min(finals),
@@ -150,10 +152,7 @@ def summary(results):
                 r.get("mean_staleness", 0.0) for rows in per_seed.values() for r in rows),
             "max_staleness": max(r.get("max_staleness", 0.0)
                                  for rows in per_seed.values() for r in rows),
-            # the share of updates --pull pulled back (runs recorded before the column: None)
-            "pulled": statistics.mean(pulled) if (pulled := [
-                r["pulled"] for rows in per_seed.values() for r in rows if "pulled" in r])
-            else None,
+            "pulled": statistics.mean(pulled) if pulled else None,
             "train_loss_after_first": max(r["train_loss"] for rows in per_seed.values()
                                           for r in rows[1:]) if epochs > 1 else None,
         }

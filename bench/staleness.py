@@ -38,8 +38,9 @@ parameters named so only (a diagnosis: --fresh-only fc. finds the head's stalene
 warm-up climb).  --fresh-head is the script's remedy for it: the server recomputes the head's
 gradient at its current parameters from the features and labels the worker sends.
 --shuffle-order gives the workers their turns in a new random order every round: staleness 0
-to 2 (N - 1) around N - 1.  The real runs keep their turns (nearly every gradient exactly
-N - 1 updates stale: BENCHMARKS.md, "What the gate leaves to pull"), as the fixed order does.
+to 2 (N - 1) around N - 1.  The real runs keep their turns, as the fixed order does (most
+gradients exactly N - 1 updates stale, nearly all within one of it: BENCHMARKS.md, "What the
+gate leaves to pull").
 --global-batch makes --batch-size the global batch: each worker computes on batch / N and
 each update uses lr / N (async_sgd_cifar100.py's semantics).
 """
