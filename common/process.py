@@ -56,7 +56,9 @@ def execute(main):
     try:
         code = main()
     except (UserError, NonFiniteLoss, PeerLost, Interrupted) as exc:
-        print(str(exc) if isinstance(exc, Interrupted) else f"error: {exc}", file=sys.stderr,
+        # One line even where the message quotes a library's multi-line text (pickle's, say).
+        text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+        print(text if isinstance(exc, Interrupted) else f"error: {text}", file=sys.stderr,
               flush=True)
         code = exc.exit_code
     sys.exit(code or 0)

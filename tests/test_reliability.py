@@ -2,6 +2,7 @@
 import hashlib
 import os
 import pickle
+import random
 import shutil
 import signal
 import socket
@@ -354,7 +355,9 @@ def corrupt_cifar(root, how):
     elif how == "truncated":
         train.write_bytes(train.read_bytes()[:5000])
     elif how == "corrupt":
-        train.write_bytes(os.urandom(4096))
+        train.write_bytes(random.Random(0).randbytes(4096))
+    elif how == "persistent-id":  # pickle's own message for this spans two lines
+        train.write_bytes(b"\x80\x02P0\n.")
     elif how == "wrong-shape":
         with open(train, "wb") as f:
             pickle.dump({b"data": __import__("numpy").zeros((4, 100), "uint8"),
@@ -362,7 +365,8 @@ def corrupt_cifar(root, how):
     return root
 
 
-@pytest.mark.parametrize("how", ["missing", "empty", "truncated", "corrupt", "wrong-shape"])
+@pytest.mark.parametrize("how", ["missing", "empty", "truncated", "corrupt", "persistent-id",
+                                 "wrong-shape"])
 def test_bad_cifar_is_one_line_and_overwrites_nothing(finished_run, tmp_path, how):
     out = copy_of(finished_run, tmp_path)
     before = digest(out)
