@@ -251,7 +251,8 @@ class Server:
         self.v = {w + 1: m.to(self.theta.device) for w, m in enumerate(momentum)}
         # The reply's extrapolation (--ahead K): the sum of the buffers, kept as they change
         self.ahead = n_workers - 1 if args.ahead is None else args.ahead
-        self.v_total = torch.stack(list(self.v.values())).sum(0) if self.ahead else None
+        self.v_total = (torch.stack(list(self.v.values())).sum(0)
+                        if self.ahead or args.pull_centered else None)
         self.version = state.extra.get("updates", state.epoch * updates_per_epoch)
         self.workers = list(self.v)
         self.replies = {w: torch.zeros(self.layout.reply_size) for w in self.workers}
@@ -314,6 +315,10 @@ class Server:
         if pull:  # how far the parameters moved since this worker's were sent
             self.pulled += 1
             torch.sub(self.theta, self.sent[worker], out=self.gap)
+            if self.args.pull_centered:  # beyond where the reply's forecast put them by now:
+                # the reply led theta by K updates along the mean buffer, s have come since
+                self.gap.sub_(self.v_total,
+                              alpha=(self.ahead - staleness) * self.lr() / self.n_workers)
             for head in self.unpulled:
                 self.gap[head] = 0.0
         gradient.addcmul_(self.decay, self.theta)  # g + weight decay * theta
@@ -519,6 +524,11 @@ def parse_args(argv=None):
     g.add_argument("--pull-from", type=int, default=PULL_FROM, metavar="S",
                    help="pull only the gradients at least S updates stale (default "
                         "%(default)d: not those one update late, the most with 2 workers)")
+    g.add_argument("--pull-centered", action="store_true",
+                   help="measure the pull's gap from where the parameters were expected to be, "
+                        "the reply plus K - s updates along the mean buffer for a gradient s "
+                        "updates stale, so that its expected move is zero for any --ahead K "
+                        "(default: off, the gap from the reply itself)")
     g.add_argument("--fresh-head", action=argparse.BooleanOptionalAction, default=True,
                    help="the server recomputes the head's (fc) gradient at its current "
                         "parameters from the features and labels each worker sends, so that "

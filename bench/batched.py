@@ -71,6 +71,7 @@ def rule_parser():
     p.add_argument("--pull", type=float, default=script.PULL)
     p.add_argument("--pull-from", type=int, default=script.PULL_FROM)
     p.add_argument("--ahead", type=float, default=None)  # None: N - 1
+    p.add_argument("--pull-centered", action="store_true")
     p.add_argument("--fresh-head", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--momentum", type=float, default=None)  # None: the recipe's
     return p
@@ -189,6 +190,7 @@ class AsyncServer:
         self.ahead = N - 1 if rule.ahead is None else rule.ahead
         self.pull = rule.pull / N if N > 1 else 0.0
         self.pull_from, self.fresh_head = rule.pull_from, rule.fresh_head
+        self.pull_centered = rule.pull_centered
         self.v = torch.zeros(S, N, P, device=copies.theta.device)
         self.v_total = torch.zeros(S, P, device=copies.theta.device)
         self.gap = torch.empty(S, P, device=copies.theta.device)
@@ -212,6 +214,8 @@ class AsyncServer:
         pull = self.pull if staleness >= self.pull_from else 0.0
         if pull:
             torch.sub(theta, sent, out=self.gap)
+            if self.pull_centered:
+                self.gap.sub_(self.v_total, alpha=(self.ahead - staleness) * self.lr() / c.N)
             if self.fresh_head:
                 self.gap[:, c.head] = 0.0
         g.addcmul_(c.decay, theta, value=self.args.weight_decay)

@@ -52,6 +52,7 @@ EVALUATION = BUGS + ("test_evaluation_is_the_same_at_every_test_batch_size_and_l
 RESUME = "tests/test_scripts.py::test_resume_continues_where_it_stopped"
 PULL = BUGS + "test_async_server_pulls_back_towards_where_each_gradient_was_computed"
 PULL_FROM = BUGS + "test_async_server_pulls_only_gradients_stale_by_pull_from_or_more"
+PULL_CENTERED = BUGS + "test_async_server_pull_centered_measures_the_gap_beyond_the_expected_drift"
 
 MUTANTS = [
     # ------------------------------------------------------------------------- evaluation
@@ -329,6 +330,12 @@ MUTANTS = [
            (PULL_FROM,),
            "--pull-from ignored: gradients one update late are pulled too (with 2 workers, "
            "nearly every update)"),
+    Mutant("async-pull-centered-the-wrong-way", "async_sgd_cifar100.py",
+           "                self.gap.sub_(self.v_total,\n",
+           "                self.gap.add_(self.v_total,\n",
+           (PULL_CENTERED,),
+           "--pull-centered adds the expected drift to the gap instead of taking it away: "
+           "with --ahead 2 (N - 1) the pull lengthens every step twice as much as without it"),
     Mutant("broadcast-memory-as-it-lies", "common/distributed.py",
            "data = tensor.data if laid_out else tensor.data.contiguous()",
            "data = tensor.data",

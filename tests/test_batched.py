@@ -69,7 +69,8 @@ def test_every_copy_gets_its_own_gradient_and_batchnorm_statistics():
 
 
 @pytest.mark.parametrize("variant", ["default", "--pull 0.4 --pull-from 0", "--ahead 0",
-                                     "--no-fresh-head --pull 0.3"])
+                                     "--no-fresh-head --pull 0.3",
+                                     "--ahead 4 --pull 0.6 --pull-from 0 --pull-centered"])
 def test_the_batched_server_applies_and_replies_as_the_scripts_server(monkeypatch, variant):
     """Three workers whose turns come out of order (staleness 0 to 4): after each turn the
     batched server's parameters and its reply to that worker equal async_sgd_cifar100.Server's

@@ -673,6 +673,53 @@ def test_async_server_pulls_only_gradients_stale_by_pull_from_or_more(monkeypatc
     assert (pulled.pulled, plain.pulled) == (2, 0)
 
 
+def test_async_server_pull_centered_measures_the_gap_beyond_the_expected_drift(monkeypatch):
+    """--pull-centered: the pull's gap is measured from where the reply's forecast puts the
+    parameters by the time the gradient comes back -- the reply plus K - s updates along the
+    mean buffer for a gradient s updates stale (--ahead K) -- so that, when the updates in
+    flight move the parameters as forecast, the pull moves nothing.  Three workers, --ahead 4,
+    the order 1, 2, 3, 1, 3, 2, 2 (staleness 0, 1, 2, 2, 1, 3, 0): K - s is never 0."""
+    sent = {}
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
+                        lambda tensor, dst: sent.update({dst: tensor[1:].clone()}) or _Done())
+    server, args = _server(0, "--pull", "0.6", "--pull-from", "0", "--ahead", "4",
+                           "--pull-centered", workers=3)
+    decay = torch.tensor([args.weight_decay] * 12 + [0.0] * 3)
+    held = {w: server.theta.clone() for w in (1, 2, 3)}
+    v = torch.zeros(3, 15)
+    torch.manual_seed(1)
+    for worker, staleness in zip((1, 2, 3, 1, 3, 2, 2), (0, 1, 2, 2, 1, 3, 0)):
+        g, theta, lr = torch.randn(15), server.theta.clone(), server.lr()
+        forecast = held[worker] + (4 - staleness) * lr * v.mean(0)  # before this update
+        server.apply(worker, _gradient_message(g.clone()))
+        assert server.staleness[-1] == staleness
+        d = g + decay * theta
+        v[worker - 1] = 0.9 * v[worker - 1] + d
+        expected = theta - lr * (d + 0.9 * v[worker - 1]) - 0.2 * (theta - forecast)
+        assert torch.allclose(server.theta, expected, atol=1e-6), \
+            (worker, staleness, (server.theta - expected).abs().max())
+        # the centring is seen: the gap from the reply alone differs from it
+        assert staleness == 0 and worker != 2 or (forecast - held[worker]).abs().max() > 1e-3
+        server.reply(worker, async_sgd_cifar100.CONTINUE)
+        held[worker] = sent[worker]
+    # When the drift is as forecast, the centred pull moves next to nothing, the pull from the
+    # reply a lot: one gradient for every update, the turns in order (each gradient N - 1 = 2
+    # updates stale, the reply K = 4 ahead); the buffers build up over the first rounds
+    def run(*flags):
+        torch.manual_seed(0)
+        server = _server(0, "--ahead", "4", "--weight-decay", "0", "--epochs", "30", *flags,
+                         workers=3)[0]
+        g = torch.randn(15)
+        for worker in (1, 2, 3) * 60:
+            server.apply(worker, _gradient_message(g.clone()))
+            server.reply(worker, async_sgd_cifar100.CONTINUE)
+        return server.theta
+    plain = run("--pull", "0")
+    centred = run("--pull", "0.6", "--pull-from", "0", "--pull-centered")
+    from_reply = run("--pull", "0.6", "--pull-from", "0")
+    assert (centred - plain).abs().max() < 0.1 * (from_reply - plain).abs().max()
+
+
 def test_async_server_computes_the_heads_gradient_at_its_current_parameters(monkeypatch):
     """--fresh-head (the default): the head's (fc's) gradient that comes in a message is stale
     like the rest; the server replaces it by the head's gradient at its current parameters,
