@@ -42,6 +42,10 @@ gradients are nearly all 2-4 updates late (metrics.csv's `pulled`: 99% of the up
 gained 2.1 points on average over no pull (3 seeds); pulling 2 workers' gradients, nearly all
 one update late, cost 4.4 points (2 seeds), so the gate leaves those alone (BENCHMARKS.md,
 "Only the gradients two or more updates stale pulled", "What the gate leaves to pull").
+--pull-centered (off) measures that gap from where the reply's forecast puts the parameters by
+the gradient's return, the reply plus K - s updates along the mean buffer (s: its staleness),
+so that the pull's expected move stays zero when --ahead K is not N - 1 (BENCHMARKS.md, "Twice
+the extrapolation, the pull measured from the forecast").
 --dc-lambda L (off by default) adds delay compensation (DC-ASGD, Zheng et al. 2017) before the
 step: the gradient, computed at the parameters theta_sent its worker was last sent, is moved to
 the current theta along a diagonal curvature estimate, g + L g * g * (theta - theta_sent) /
