@@ -335,7 +335,8 @@ MUTANTS = [
            "                self.gap.add_(self.v_total,\n",
            (PULL_CENTERED,),
            "--pull-centered adds the expected drift to the gap instead of taking it away: "
-           "with --ahead 2 (N - 1) the pull lengthens every step twice as much as without it"),
+           "with --ahead K = 2 (N - 1) each step is lengthened twice as much as by the "
+           "uncentred pull"),
     Mutant("broadcast-memory-as-it-lies", "common/distributed.py",
            "data = tensor.data if laid_out else tensor.data.contiguous()",
            "data = tensor.data",
