@@ -50,11 +50,11 @@ the extrapolation, the pull measured from the forecast").
 step: the gradient, computed at the parameters theta_sent its worker was last sent, is moved to
 the current theta along a diagonal curvature estimate, g + L g * g * (theta - theta_sent) /
 sqrt(mean g^2) (mean g^2: a running mean over all workers' gradients). Measured on the
-yardstick it helped with 2 workers and not with 4 or 8 (with the reply not extrapolated; on top
-of the extrapolation, simulated, it does not help), and it triples the server's work per
-update. The slides' rule (one momentum buffer, each gradient applied as it comes) diverges on
-this network with gradients one update stale; BENCHMARKS.md ("Async SGD under staleness") has
-the rules tried and what each scored.
+yardstick it helped with 2 workers and not with 4 or 8 with the reply not extrapolated; on top
+of the default rule it does not help with 2 workers either (0.5 points below it, standard error
+0.5, twenty seeds), and it triples the server's work per update. The slides' rule (one momentum
+buffer, each gradient applied as it comes) diverges on this network with gradients one update
+stale; BENCHMARKS.md ("Async SGD under staleness") has the rules tried and what each scored.
 
 The server evaluates the test set once per epoch-equivalent of updates (training samples /
 global batch), so the curve has a point per epoch.  Each worker announces when its epochs are
@@ -514,8 +514,8 @@ def parse_args(argv=None):
     g.add_argument("--dc-lambda", type=float, default=DC_LAMBDA, metavar="LAMBDA",
                    help="delay compensation's strength, lambda in DC-ASGD's g + lambda g*g*"
                         "(theta - theta_sent) / sqrt(mean g^2) (default %(default)g: off; 2 is "
-                        "DC-ASGD's and helped with 2 workers, not with 4 or 8, nor on top of "
-                        "--ahead in the simulator)")
+                        "DC-ASGD's and helped 2 workers only before the reply was extrapolated, "
+                        "never 4 or 8)")
     g.add_argument("--ahead", type=float, default=None, metavar="K",
                    help="reply with the parameters extrapolated K updates ahead along the "
                         "workers' momentum, theta - K lr mean(v_j) (default: workers - 1, the "
