@@ -155,8 +155,10 @@ def _cat_into(tensors, out):
 
 # ----------------------------------------------------------------------------------- worker
 
-def work(model, train_loader, args, proc, start_epoch):
-    """Compute gradients on this worker's shard; exchange each with the server."""
+def work(model, train_loader, args, proc, position):
+    """Compute gradients on this worker's shard; exchange each with the server.  `position`:
+    how many of this worker's batches the server had applied, over all epochs, when a resumed
+    run's checkpoint was written (0 for a new run): it starts after them."""
     layout = Layout(model, train_loader.batch_size if args.fresh_head else 0)
     message, reply = torch.zeros(layout.message_size), torch.zeros(layout.reply_size)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
@@ -164,11 +166,14 @@ def work(model, train_loader, args, proc, start_epoch):
     if args.fresh_head:
         model.fc.register_forward_pre_hook(lambda module, inputs: head_input.update(x=inputs[0]))
     sent = 0
-    for epoch in range(start_epoch, args.epochs):
+    first_epoch, first_step = divmod(position, len(train_loader))
+    for epoch in range(first_epoch, args.epochs):
+        start = first_step if epoch == first_epoch else 0
         train_loader.set_epoch(epoch)  # a new shuffle (and crops and flips) every epoch
-        torch.manual_seed(training.epoch_seed(args.seed, epoch, proc.rank))  # dropout masks
+        # dropout masks (seeded as sync SGD's resumed epoch seeds them)
+        torch.manual_seed(training.epoch_seed(args.seed, epoch, proc.rank) + start)
         model.train()
-        for images, labels in train_loader:
+        for images, labels in train_loader.batches(start):
             with proc.autocast():
                 output = model(images)
                 loss = criterion(output, labels)
@@ -205,6 +210,21 @@ def head_gradient(features, labels, weight, bias, label_smoothing):
         loss = F.cross_entropy(F.linear(features, weight, bias), labels,
                                label_smoothing=label_smoothing)
         return torch.autograd.grad(loss, (weight, bias))
+
+
+def resume_positions(state, n_workers, updates_per_epoch):
+    """Where each worker resumes in its stream of batches (epochs x batches per worker +
+    step): after the batches whose gradients the server had applied when it wrote the
+    checkpoint, so that a run stopped inside an epoch trains each batch of it once.  A
+    checkpoint without them (or from a run with another number of workers or batches) resumes
+    at the start of the interrupted epoch, the updates made inside it kept in the parameters."""
+    batches = updates_per_epoch // n_workers
+    saved = state.extra.get("positions")
+    if (saved is not None and len(saved) == n_workers
+            and state.extra.get("batches_per_worker") == batches
+            and sum(saved) == state.extra.get("updates")):
+        return [int(p) for p in saved]
+    return [state.epoch * batches] * n_workers
 
 
 def stop_error(status, rank):
@@ -257,8 +277,16 @@ class Server:
         self.ahead = n_workers - 1 if args.ahead is None else args.ahead
         self.v_total = (torch.stack(list(self.v.values())).sum(0)
                         if self.ahead or args.pull_centered else None)
-        self.version = state.extra.get("updates", state.epoch * updates_per_epoch)
+        # each worker's place in its stream of batches; the updates done are their sum
+        self.position = dict(zip(self.v, resume_positions(state, n_workers, updates_per_epoch)))
+        self.version = sum(self.position.values())
         self.workers = list(self.v)
+        batches, done = updates_per_epoch // n_workers, self.version % updates_per_epoch
+        if done:
+            proc.log(f"epoch {self.version // updates_per_epoch + 1} resumes after {done} of its "
+                     f"{updates_per_epoch} updates: the workers after batches "
+                     + ", ".join(str(p % batches) for p in self.position.values())
+                     + f" of their {batches}")
         self.replies = {w: torch.zeros(self.layout.reply_size) for w in self.workers}
         # on a GPU the extrapolated reply is computed there: `out=` takes no other device's tensor
         self.reply_scratch = (torch.empty_like(self.theta)
@@ -288,7 +316,9 @@ class Server:
         self.pending, self.sent_version = {}, {w: self.version for w in self.workers}
         self.applied = {w: 0 for w in self.workers}
         self.statistics = {}  # each worker's latest BatchNorm running statistics
-        self.new_epoch()
+        # a run stopped inside an epoch goes on with that epoch's bookkeeping
+        self.new_epoch(state.extra.get("epoch_so_far") if self.version % updates_per_epoch
+                       else None)
 
     def lr(self):
         """This update's learning rate: the schedule's, divided among the N updates that make
@@ -339,6 +369,7 @@ class Server:
         self.staleness.append(staleness)
         self.version += 1
         self.applied[worker] += 1
+        self.position[worker] += 1
         self.totals = [self.totals[0] + loss_sum, self.totals[1] + correct,
                        self.totals[2] + samples]
 
@@ -410,7 +441,8 @@ class Server:
                 failure = PeerLost(f"the parameter server lost worker {worker} "
                                    f"({distributed.failure_line(exc, 100)}); {self.saved()}")
                 break
-            self.busy += time.perf_counter() - begin
+            self.last_update = time.perf_counter()
+            self.busy += self.last_update - begin
             if self.version % self.updates_per_epoch == 0:
                 self.end_epoch()
         self.finish(finished, failure)
@@ -427,11 +459,22 @@ class Server:
                                  f"good checkpoint in {self.proc.out} is kept; lower --lr")
         return None
 
-    def new_epoch(self):
-        self.totals = [0.0, 0.0, 0.0]  # loss sum, correct, samples
-        self.staleness, self.busy, self.pulled = [], 0.0, 0
-        self.lr_at_start = self.lr()
-        self.started = time.perf_counter()
+    def new_epoch(self, so_far=None):
+        """Start an epoch's bookkeeping, or go on with a resumed one's (`so_far`)."""
+        so_far = so_far or {"totals": [0.0, 0.0, 0.0], "staleness": [], "busy": 0.0,
+                            "pulled": 0, "lr": self.lr(), "seconds": 0.0}
+        self.totals = list(so_far["totals"])  # loss sum, correct, samples
+        self.staleness = list(so_far["staleness"])
+        self.busy, self.pulled = so_far["busy"], so_far["pulled"]
+        self.lr_at_start = so_far["lr"]
+        self.started = self.last_update = time.perf_counter() - so_far["seconds"]
+
+    def epoch_so_far(self):
+        """The bookkeeping of the epoch in progress, for a checkpoint written inside it (its
+        time up to the last update: not the wait that found a worker lost)."""
+        return {"totals": self.totals, "staleness": self.staleness, "busy": self.busy,
+                "pulled": self.pulled, "lr": self.lr_at_start,
+                "seconds": self.last_update - self.started}
 
     def average_statistics(self):
         """The model's BatchNorm statistics: the mean of the workers' latest (as sync SGD
@@ -470,6 +513,9 @@ class Server:
 
     def save(self):
         self.state.extra = {"updates": self.version,
+                            "positions": [self.position[w] for w in self.workers],
+                            "batches_per_worker": self.updates_per_epoch // self.n_workers,
+                            "epoch_so_far": self.epoch_so_far(),
                             "momentum": [self.v[w].cpu() for w in self.workers]}
         if self.args.dc_lambda:
             self.state.extra["mean_square"] = self.mean_square.cpu()
@@ -598,7 +644,8 @@ def main(argv=None):
             comm.finish()
         elif not args.evaluate:
             try:
-                work(model, train_loader, args, proc, state.epoch)
+                position = resume_positions(state, n_workers, updates_per_epoch)[comm.rank - 1]
+                work(model, train_loader, args, proc, position)
             except RuntimeError as exc:
                 if not distributed.is_peer_failure(exc):
                     raise

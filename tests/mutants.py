@@ -50,6 +50,8 @@ SYNC_END_TO_END_3 = BUGS + "test_sync_sgd_logs_the_accuracy_of_the_model_it_save
 EVALUATION = BUGS + ("test_evaluation_is_the_same_at_every_test_batch_size_and_leaves_the_"
                      "model_alone")
 RESUME = "tests/test_scripts.py::test_resume_continues_where_it_stopped"
+ASYNC_RESUME = ("tests/test_reliability.py::test_async_sgd_stopped_inside_an_epoch_trains_each_"
+                "batch_of_it_once")
 PULL = BUGS + "test_async_server_pulls_back_towards_where_each_gradient_was_computed"
 PULL_FROM = BUGS + "test_async_server_pulls_only_gradients_stale_by_pull_from_or_more"
 PULL_CENTERED = BUGS + "test_async_server_pull_centered_measures_the_gap_beyond_the_expected_drift"
@@ -337,6 +339,20 @@ MUTANTS = [
            "--pull-centered adds the expected drift to the gap instead of taking it away: "
            "with --ahead K = 2 (N - 1) each step is lengthened twice as much as by the "
            "uncentred pull"),
+    Mutant("async-resume-redoes-the-epoch", "async_sgd_cifar100.py",
+           "        for images, labels in train_loader.batches(start):\n",
+           "        for images, labels in train_loader.batches(0):\n",
+           (ASYNC_RESUME,),
+           "a run stopped inside an epoch resumes each worker at the epoch's first batch while "
+           "the server counts the updates it had: the batches before the stop are trained "
+           "twice and the run ends with a row for an epoch past --epochs"),
+    Mutant("async-resume-forgets-the-epochs-start", "async_sgd_cifar100.py",
+           '        self.new_epoch(state.extra.get("epoch_so_far") if self.version % '
+           'updates_per_epoch\n',
+           "        self.new_epoch(None if self.version % updates_per_epoch\n",
+           (ASYNC_RESUME,),
+           "the resumed epoch's row counts only the samples after the stop (its training loss, "
+           "accuracy and images/s from part of the epoch)"),
     Mutant("broadcast-memory-as-it-lies", "common/distributed.py",
            "data = tensor.data if laid_out else tensor.data.contiguous()",
            "data = tensor.data",

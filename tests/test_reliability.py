@@ -214,7 +214,7 @@ def test_async_sgd_worker_death_does_not_hang_the_server(cifar_dir, tmp_path):
         for p in [server, *workers]:
             p.kill()
     # what it had is written: the epochs before the loss, and any updates after it, but no row
-    # for the unfinished epoch, which the same command trains again
+    # for the unfinished epoch, which the same command finishes
     assert len(rows(out)) >= 1 and os.path.exists(out / "curve.png")
     assert state(out)["extra"]["updates"] >= int(rows(out)[-1].split(",")[9])
     assert int(rows(out)[-1].split(",")[9]) % 24 == 0  # 96 samples per worker / batch 8 x 2
@@ -307,6 +307,53 @@ def test_torchrun_restarts_the_group_after_a_kill_9_and_the_run_resumes(cifar_di
     assert "| restart 1 |" in stdout
     assert f"resumed from {out / 'checkpoint.pt'} after epoch 1" in stdout
     assert [line.split(",")[0] for line in rows(out)] == ["1", "2"]  # each epoch once
+
+
+def async_group(args):
+    """A server and two workers of async SGD, started with the env:// contract."""
+    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3")
+    return [start(args, RANK=str(rank), **contract) for rank in (0, 1, 2)]
+
+
+def test_async_sgd_stopped_inside_an_epoch_trains_each_batch_of_it_once(cifar_dir, tmp_path):
+    # 2 workers x 96 samples in batches of 4: 24 batches each, 48 updates an epoch
+    out = tmp_path / "out"
+    args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--train-limit", "192",
+               "--batch-size", "8", "--epochs", "2")
+    group = async_group(args)
+    try:
+        # epoch 1 written, curve.png last: the server is back to applying gradients
+        wait_for(lambda: os.path.exists(out / "curve.png") or group[0].poll() is not None,
+                 what="epoch 1")
+        time.sleep(0.3)
+        group[0].send_signal(signal.SIGTERM)
+        for proc in group:
+            proc.communicate(timeout=TIMEOUT)
+    finally:
+        for proc in group:
+            proc.kill()
+    assert group[0].returncode == 128 + signal.SIGTERM
+    saved = state(out)["extra"]
+    assert rows(out) and 48 < saved["updates"] < 96, "the stop must land inside epoch 2"
+    assert sum(saved["positions"]) == saved["updates"]
+
+    group = async_group(args)  # the same command
+    try:
+        results = [proc.communicate(timeout=TIMEOUT) for proc in group]
+    finally:
+        for proc in group:
+            proc.kill()
+    assert [proc.returncode for proc in group] == [0, 0, 0], results[0][1]
+    stdout = results[0][0]
+    assert f"epoch 2 resumes after {saved['updates'] - 48} of its 48 updates" in stdout
+    # each worker computes the gradients of the batches whose gradients were not applied
+    for worker, position in enumerate(saved["positions"], 1):
+        assert f"worker {worker}: {48 - position} gradients sent" in stdout
+    assert [line.split(",")[0] for line in rows(out)] == ["1", "2"]  # each epoch once
+    last = state(out)["rows"][-1]
+    assert last["updates"] == 96
+    # epoch 2's row counts its samples before and after the stop, each once
+    assert last["images_per_s"] * last["epoch_seconds"] == pytest.approx(192)
 
 
 def test_one_run_per_out_and_a_killed_runs_lock_does_not_block(cifar_dir, tmp_path):
