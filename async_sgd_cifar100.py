@@ -507,9 +507,9 @@ class Server:
                       f" | {row['updates_per_s']:.1f} updates/s | staleness mean "
                       f"{row['mean_staleness']:.2f} max {row['max_staleness']}"
                       + (f" | {100 * row['pulled']:.0f}% pulled" if self.pull else ""))
+        self.new_epoch()  # before the checkpoint: nothing of the next epoch is done yet
         self.save()
         self.folder.write(self.state.rows)  # metrics.csv, curve.png (and tb/)
-        self.new_epoch()
 
     def save(self):
         self.state.extra = {"updates": self.version,
