@@ -281,12 +281,13 @@ class Server:
         self.position = dict(zip(self.v, resume_positions(state, n_workers, updates_per_epoch)))
         self.version = sum(self.position.values())
         self.workers = list(self.v)
-        batches, done = updates_per_epoch // n_workers, self.version % updates_per_epoch
+        self.batches = updates_per_epoch // n_workers  # each worker's per epoch
+        done = self.version % updates_per_epoch  # inside the epoch a stopped run resumes
         if done:
             proc.log(f"epoch {self.version // updates_per_epoch + 1} resumes after {done} of its "
                      f"{updates_per_epoch} updates: the workers after batches "
-                     + ", ".join(str(p % batches) for p in self.position.values())
-                     + f" of their {batches}")
+                     + ", ".join(str(p % self.batches) for p in self.position.values())
+                     + f" of their {self.batches}")
         self.replies = {w: torch.zeros(self.layout.reply_size) for w in self.workers}
         # on a GPU the extrapolated reply is computed there: `out=` takes no other device's tensor
         self.reply_scratch = (torch.empty_like(self.theta)
@@ -317,8 +318,7 @@ class Server:
         self.applied = {w: 0 for w in self.workers}
         self.statistics = {}  # each worker's latest BatchNorm running statistics
         # a run stopped inside an epoch goes on with that epoch's bookkeeping
-        self.new_epoch(state.extra.get("epoch_so_far") if self.version % updates_per_epoch
-                       else None)
+        self.new_epoch(state.extra.get("epoch_so_far") if done else None)
 
     def lr(self):
         """This update's learning rate: the schedule's, divided among the N updates that make
@@ -514,7 +514,7 @@ class Server:
     def save(self):
         self.state.extra = {"updates": self.version,
                             "positions": [self.position[w] for w in self.workers],
-                            "batches_per_worker": self.updates_per_epoch // self.n_workers,
+                            "batches_per_worker": self.batches,
                             "epoch_so_far": self.epoch_so_far(),
                             "momentum": [self.v[w].cpu() for w in self.workers]}
         if self.args.dc_lambda:

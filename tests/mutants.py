@@ -347,9 +347,8 @@ MUTANTS = [
            "the server counts the updates it had: the batches before the stop are trained "
            "twice and the run ends with a row for an epoch past --epochs"),
     Mutant("async-resume-forgets-the-epochs-start", "async_sgd_cifar100.py",
-           '        self.new_epoch(state.extra.get("epoch_so_far") if self.version % '
-           'updates_per_epoch\n',
-           "        self.new_epoch(None if self.version % updates_per_epoch\n",
+           '        self.new_epoch(state.extra.get("epoch_so_far") if done else None)\n',
+           "        self.new_epoch(None)\n",
            (ASYNC_RESUME,),
            "the resumed epoch's row counts only the samples after the stop (its training loss, "
            "accuracy and images/s from part of the epoch)"),

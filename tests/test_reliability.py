@@ -194,13 +194,17 @@ def test_sync_sgd_rank_death_ends_the_others_with_a_clear_error(cifar_dir, tmp_p
     assert state(out)["epoch"] >= 1  # the last good checkpoint is there and loads
 
 
+def async_group(args):
+    """A server and two workers of async SGD, started with the env:// contract."""
+    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3")
+    return [start(args, RANK=str(rank), **contract) for rank in (0, 1, 2)]
+
+
 def test_async_sgd_worker_death_does_not_hang_the_server(cifar_dir, tmp_path):
     out = tmp_path / "async"
     args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--train-limit", "192",
                "--batch-size", "8", "--epochs", "3", "--timeout", "10")
-    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3")
-    workers = [start(args, RANK=str(r), **contract) for r in (1, 2)]
-    server = start(args, RANK="0", **contract)
+    server, *workers = async_group(args)
     try:
         wait_for(lambda: len(rows(out)) >= 1 or server.poll() is not None, what="epoch 1")
         workers[1].kill()
@@ -307,12 +311,6 @@ def test_torchrun_restarts_the_group_after_a_kill_9_and_the_run_resumes(cifar_di
     assert "| restart 1 |" in stdout
     assert f"resumed from {out / 'checkpoint.pt'} after epoch 1" in stdout
     assert [line.split(",")[0] for line in rows(out)] == ["1", "2"]  # each epoch once
-
-
-def async_group(args):
-    """A server and two workers of async SGD, started with the env:// contract."""
-    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3")
-    return [start(args, RANK=str(rank), **contract) for rank in (0, 1, 2)]
 
 
 def test_async_sgd_stopped_inside_an_epoch_trains_each_batch_of_it_once(cifar_dir, tmp_path):
