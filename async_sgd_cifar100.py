@@ -409,7 +409,10 @@ class Server:
         """Serve until every worker is done, stopped, or silent for --timeout seconds."""
         message = torch.zeros(self.layout.message_size)
         active, finished, failure = set(self.workers), {}, None
+        waiting = []  # --in-turn: the workers whose replies are held, in the order they came
         while active:
+            if waiting and len(waiting) == len(active):  # --in-turn: nobody is computing
+                self.reply(waiting.pop(0), CONTINUE)  # the next in turn, at today's theta
             try:
                 worker = dist.recv(message)  # from whichever worker sends first
             except RuntimeError as exc:
@@ -434,7 +437,10 @@ class Server:
                 continue
             self.apply(worker, message)
             try:
-                self.reply(worker, CONTINUE)
+                if self.args.in_turn:  # its reply waits until no other worker computes
+                    waiting.append(worker)
+                else:
+                    self.reply(worker, CONTINUE)
             except RuntimeError as exc:
                 if not distributed.is_peer_failure(exc):
                     raise
@@ -579,6 +585,12 @@ def parse_args(argv=None):
                         "the reply plus K - s updates along the mean buffer for a gradient s "
                         "updates stale, so that its expected move is zero for any --ahead K "
                         "(default: off, the gap from the reply itself)")
+    g.add_argument("--in-turn", action="store_true",
+                   help="a control with nothing stale: the server replies to one worker at a "
+                        "time, after the previous one's gradient is applied, so every gradient "
+                        "(after the first round) is computed on the current parameters; "
+                        "workers take turns and the run is as slow as one worker (use with "
+                        "--ahead 0)")
     g.add_argument("--fresh-head", action=argparse.BooleanOptionalAction, default=True,
                    help="the server recomputes the head's (fc) gradient at its current "
                         "parameters from the features and labels each worker sends, so that "

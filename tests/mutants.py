@@ -52,6 +52,8 @@ EVALUATION = BUGS + ("test_evaluation_is_the_same_at_every_test_batch_size_and_l
 RESUME = "tests/test_scripts.py::test_resume_continues_where_it_stopped"
 ASYNC_RESUME = ("tests/test_reliability.py::test_async_sgd_stopped_inside_an_epoch_trains_each_"
                 "batch_of_it_once")
+ASYNC_IN_TURN = ("tests/test_distributed.py::test_async_sgd_in_turn_computes_every_gradient_on_"
+                 "the_current_parameters",)
 PULL = BUGS + "test_async_server_pulls_back_towards_where_each_gradient_was_computed"
 PULL_FROM = BUGS + "test_async_server_pulls_only_gradients_stale_by_pull_from_or_more"
 PULL_CENTERED = BUGS + "test_async_server_pull_centered_measures_the_gap_beyond_the_expected_drift"
@@ -352,6 +354,12 @@ MUTANTS = [
            (ASYNC_RESUME,),
            "the resumed epoch's row counts only the samples after the stop (its training loss, "
            "accuracy and images/s from part of the epoch)"),
+    Mutant("async-in-turn-replies-at-once", "async_sgd_cifar100.py",
+           "            if waiting and len(waiting) == len(active):",
+           "            if waiting:",
+           ASYNC_IN_TURN,
+           "--in-turn releases each held reply at once instead of when no other worker "
+           "computes: the no-staleness control of BENCHMARKS.md has stale gradients"),
     Mutant("broadcast-memory-as-it-lies", "common/distributed.py",
            "data = tensor.data if laid_out else tensor.data.contiguous()",
            "data = tensor.data",

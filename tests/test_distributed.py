@@ -385,6 +385,28 @@ def test_async_sgd_workers_of_different_speeds_stop_cleanly(cifar_dir, tmp_path)
     assert 0 < float(rows[-1]["pulled"]) <= 0.5
 
 
+@needs_mpirun
+def test_async_sgd_in_turn_computes_every_gradient_on_the_current_parameters(cifar_dir,
+                                                                             tmp_path):
+    """--in-turn, the no-staleness control of BENCHMARKS.md: the server holds each reply until
+    no other worker computes, so even beside a worker that sleeps after each step only the
+    first round's gradients are stale (the second to arrive by 1 update), each batch is
+    applied once, and the run ends."""
+    out = tmp_path / "in_turn"
+    log = run([MPIRUN, "-np", "4", sys.executable, "async_sgd_cifar100.py",
+               *tiny_args(cifar_dir, out, "--batch-size", "12", "--train-limit", "72",
+                          "--epochs", "2", "--in-turn", "--ahead", "0",
+                          "--straggler-delay", "0.3")])
+    # 72 samples over 3 workers, 4 per worker: 6 updates per worker per epoch, 18 per epoch
+    assert all(sent == applied == 12 for sent, applied in parse_async_log(log).values())
+    rows = metrics(out)
+    assert [int(r["updates"]) for r in rows] == [18, 36]
+    # the first round: stale by 0, 1 and 2 updates as the workers' gradients arrive; then 0
+    assert float(rows[0]["mean_staleness"]) == pytest.approx(3 / 18, abs=1e-5)
+    assert int(rows[0]["max_staleness"]) == 2
+    assert float(rows[1]["mean_staleness"]) == 0.0 and int(rows[1]["max_staleness"]) == 0
+
+
 def test_async_sgd_needs_two_processes(cifar_dir, tmp_path):
     result = subprocess.run([sys.executable, "async_sgd_cifar100.py",
                              *tiny_args(cifar_dir, tmp_path / "one")], cwd=ROOT,
