@@ -55,6 +55,10 @@ of the default rule it does not help with 2 workers either (0.5 points below it,
 0.5, twenty seeds), and it triples the server's work per update. The slides' rule (one momentum
 buffer, each gradient applied as it comes) diverges on this network with gradients one update
 stale; BENCHMARKS.md ("Async SGD under staleness") has the rules tried and what each scored.
+--in-turn is a control, not a way to train: the server holds each reply until no other worker
+computes, so the workers take turns and every gradient (after the first round) is computed on
+the current parameters, with everything else as above; it measures what staleness costs
+(BENCHMARKS.md, "Nothing stale, in the real script").
 
 The server evaluates the test set once per epoch-equivalent of updates (training samples /
 global batch), so the curve has a point per epoch.  Each worker announces when its epochs are

@@ -13,7 +13,13 @@ ones (theta, what it should send), with the same dropout masks as the worker's o
 the size of the difference d against the gradient, and for each estimate e of d -- DC-ASGD's
 g * g * delta and g * g * delta / sqrt(mean g^2), and the Fisher diagonal mean(g^2) * delta,
 with delta = theta - theta_sent -- the best scale lambda = <d, e> / <e, e> and the share of
-d's squared norm that lambda * e explains.
+d's squared norm that lambda * e explains.  The last estimate is the change over the same
+updates of the gradients of --others other batches (the latest ones the workers trained on),
+averaged: the curvature of the loss in expectation, across parameters, applied to delta
+(what a server holding data of its own could compute), without this batch's own.
+--extra-ahead C and --fresh-head probe today's rule (C = (N - 1) / N: the script's --ahead
+N - 1); with --fresh-head the head's parameters are left out of every vector, as the server
+recomputes their gradient at theta.
 """
 import argparse
 import copy
@@ -52,6 +58,12 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.15)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train", type=int, default=6400, help="yardstick training images")
+    p.add_argument("--extra-ahead", type=float, default=0.0, metavar="C",
+                   help="the reply extrapolated C lr sum_j v_j (the simulator's flag)")
+    p.add_argument("--fresh-head", action="store_true",
+                   help="the head's gradient recomputed at theta (the simulator's flag)")
+    p.add_argument("--others", type=int, default=4,
+                   help="other batches whose gradients' change estimates the expected curvature")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
@@ -59,15 +71,25 @@ def main(argv=None):
     # the simulator's defaults: the reply as it was (no --extra-ahead: the rule the figures
     # quoted were taken with), 6 epochs of global batch 64
     args = staleness.parse_args(["--lr", str(a.lr), "--epochs", "6", "--batch-size", "64",
-                                 "--global-batch"])
+                                 "--global-batch", "--extra-ahead", str(a.extra_ahead)]
+                                + ["--fresh-head"] * a.fresh_head)
     train, _ = staleness.yardstick(a.train, 2000, 0)
     server, workers, loaders, rule = staleness.set_up(train, "nesterov", n, a.seed, args)
     probe = copy.deepcopy(server)  # the fp32 model both gradients are taken on
     proc = Process("drift", "", torch.device("cpu"), args.amp)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
     mean_square = torch.zeros(sum(q.numel() for q in rule.params))
+    # with --fresh-head the head's entries are left out (its gradient is taken at theta)
+    keep = torch.cat([torch.full((q.numel(),), not (a.fresh_head and name.startswith("fc.")))
+                      for name, q in server.named_parameters()])
+    recent = []  # the latest batches trained on, for the expected-curvature estimate
+    head_input = {}  # --fresh-head: the features the head of the latest worker saw
+    if a.fresh_head:
+        for model in workers:
+            model.fc.register_forward_pre_hook(
+                lambda module, inputs: head_input.update(x=inputs[0]))
     print("update  epoch  lr/N     |d|/|g|   lambda, share explained:  g^2 delta  "
-          "g^2 delta/rms  mean(g^2) delta")
+          f"g^2 delta/rms  mean(g^2) delta  {a.others} other batches' change")
     update = 0
     for epoch in range(a.epochs):
         iters = []
@@ -86,18 +108,27 @@ def main(argv=None):
                     torch.set_rng_state(rng)
                     fresh = fp32_gradient(probe, model, rule.params, images, labels, criterion)
                     torch.set_rng_state(rng)
-                    d = fresh - stale
-                    delta = flat(rule.params) - flat(sent)
+                    others = torch.zeros_like(fresh)
+                    for o_images, o_labels in recent:
+                        others += fp32_gradient(probe, model, rule.params, o_images, o_labels,
+                                                criterion)
+                        torch.set_rng_state(rng)
+                        others -= fp32_gradient(probe, model, sent, o_images, o_labels,
+                                                criterion)
+                        torch.set_rng_state(rng)
+                    d = (fresh - stale)[keep]
+                    delta = (flat(rule.params) - flat(sent))[keep]
+                    g2, ms = (stale * stale)[keep], mean_square[keep]
                     cells = []
-                    for e in (stale * stale * delta,
-                              stale * stale * delta / (mean_square.sqrt() + 1e-7),
-                              mean_square * delta):
+                    for e in (g2 * delta, g2 * delta / (ms.sqrt() + 1e-7), ms * delta,
+                              others[keep]):
                         lam = (d @ e) / (e @ e)
                         share = 1 - (d - lam * e).norm() ** 2 / d.norm() ** 2
                         cells.append(f"{lam.item():9.3g} {100 * share.item():5.1f}%")
-                    ratio = (d.norm() / stale.norm()).item()
+                    ratio = (d.norm() / stale[keep].norm()).item()
                     print(f"{update:6d}  {epoch + 1:5d}  {rule.lr():.4f}  {ratio:7.2f}   "
                           f"{'   '.join(cells)}", flush=True)
+                recent = (recent + [(images, labels)])[-a.others:]
                 with proc.autocast():
                     loss = criterion(model(images), labels)
                 model.zero_grad(set_to_none=True)
@@ -105,6 +136,10 @@ def main(argv=None):
                 grads = [q.grad.float().contiguous() for q in model.parameters()]
                 g = flat(grads)
                 mean_square.mul_(0.95).addcmul_(g, g, value=0.05)
+                if a.fresh_head:  # the head's gradient at the server's parameters
+                    grads[-2:] = staleness.head_gradient(
+                        head_input["x"].float(), labels, server.fc.weight, server.fc.bias,
+                        criterion.label_smoothing)
                 rule.apply(w, grads)
                 staleness.load(model, rule.reply(w))
                 update += 1

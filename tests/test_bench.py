@@ -136,13 +136,21 @@ def test_simulator_fresh_head_and_fresh_only(simulate):
 
 
 def test_drift_probe_prints_its_measurements():
-    lines = ok(run_bench("drift.py", "--train", "128", "--epochs", "2", "--every", "2"))
+    """Today's rule (the reply extrapolated, the head fresh): each probe prints the gap and,
+    for each of the four estimates (three diagonals, the other batches' change), its best
+    scale and the share of the gap it explains."""
+    lines = ok(run_bench("drift.py", "--train", "128", "--epochs", "2", "--every", "2",
+                         "--extra-ahead", "0.5", "--fresh-head", "--others", "2"))
+    assert "2 other batches' change" in lines[0]
     probes = [line.split() for line in lines[1:] if line.strip()]
     assert probes, lines
     for cells in probes:
+        assert len(cells) == 4 + 2 * 4, cells
         assert cells[1] == "2"  # probed after the first epoch only
         ratio = float(cells[3])  # |d| / |g|: the stale gradient differs, but not wildly
         assert 0.0 < ratio < 10.0, cells
+        shares = [float(c.rstrip("%")) for c in cells[5::2]]
+        assert all(0.0 <= share <= 100.0 for share in shares), cells
 
 
 def test_simulator_pull(simulate):
