@@ -416,7 +416,14 @@ class Server:
         waiting = []  # --in-turn: the workers whose replies are held, in the order they came
         while active:
             if waiting and len(waiting) == len(active):  # --in-turn: nobody is computing
-                self.reply(waiting.pop(0), CONTINUE)  # the next in turn, at today's theta
+                worker = waiting.pop(0)  # the next in turn: on from today's theta, or stop
+                if failure is not None:
+                    active.discard(worker)
+                lost = self.send(worker, CONTINUE if failure is None else failure.exit_code)
+                if lost is not None:
+                    failure = lost
+                    break
+                continue
             try:
                 worker = dist.recv(message)  # from whichever worker sends first
             except RuntimeError as exc:
@@ -440,22 +447,28 @@ class Server:
                     self.reply(worker, failure.exit_code)
                 continue
             self.apply(worker, message)
-            try:
-                if self.args.in_turn:  # its reply waits until no other worker computes
-                    waiting.append(worker)
-                else:
-                    self.reply(worker, CONTINUE)
-            except RuntimeError as exc:
-                if not distributed.is_peer_failure(exc):
-                    raise
-                failure = PeerLost(f"the parameter server lost worker {worker} "
-                                   f"({distributed.failure_line(exc, 100)}); {self.saved()}")
-                break
+            if self.args.in_turn:  # its reply waits until no other worker computes
+                waiting.append(worker)
+            else:
+                failure = self.send(worker, CONTINUE)
+                if failure is not None:
+                    break
             self.last_update = time.perf_counter()
             self.busy += self.last_update - begin
             if self.version % self.updates_per_epoch == 0:
                 self.end_epoch()
         self.finish(finished, failure)
+
+    def send(self, worker, status):
+        """reply(), or the PeerLost to stop with if `worker` is gone."""
+        try:
+            self.reply(worker, status)
+        except RuntimeError as exc:
+            if not distributed.is_peer_failure(exc):
+                raise
+            return PeerLost(f"the parameter server lost worker {worker} "
+                            f"({distributed.failure_line(exc, 100)}); {self.saved()}")
+        return None
 
     def check(self, kind, message):
         """The reason to stop everyone, if there is one."""

@@ -313,11 +313,16 @@ def test_torchrun_restarts_the_group_after_a_kill_9_and_the_run_resumes(cifar_di
     assert [line.split(",")[0] for line in rows(out)] == ["1", "2"]  # each epoch once
 
 
-def test_async_sgd_stopped_inside_an_epoch_trains_each_batch_of_it_once(cifar_dir, tmp_path):
+@pytest.mark.parametrize("control", [(), ("--in-turn", "--ahead", "0")],
+                         ids=["default", "in-turn"])
+def test_async_sgd_stopped_inside_an_epoch_trains_each_batch_of_it_once(cifar_dir, tmp_path,
+                                                                         control):
+    """Also with --in-turn, whose server holds a reply when the stop comes: the worker it
+    holds is told to stop too."""
     # 2 workers x 96 samples in batches of 4: 24 batches each, 48 updates an epoch
     out = tmp_path / "out"
     args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--train-limit", "192",
-               "--batch-size", "8", "--epochs", "2")
+               "--batch-size", "8", "--epochs", "2", *control)
     group = async_group(args)
     try:
         # epoch 1 written, curve.png last: the server is back to applying gradients
