@@ -16,7 +16,10 @@ with delta = theta - theta_sent -- the best scale lambda = <d, e> / <e, e> and t
 d's squared norm that lambda * e explains.  The last estimate is the change over the same
 updates of the gradients of --others other batches (the latest ones the workers trained on),
 averaged: the curvature of the loss in expectation, across parameters, applied to delta
-(what a server holding data of its own could compute), without this batch's own.
+(what a server holding data of its own could compute), without this batch's own; and the
+empirical Fisher of the --fisher latest gradients the server applied, sum_k g_k (g_k . delta),
+about zero and about their mean (a cheap, low-rank stand-in for that curvature: the server
+holds those gradients already).
 --extra-ahead C and --fresh-head probe today's rule (C = (N - 1) / N: the script's --ahead
 N - 1); with --fresh-head the head's parameters are left out of every vector, as the server
 recomputes their gradient at theta.
@@ -64,6 +67,9 @@ def main(argv=None):
                    help="the head's gradient recomputed at theta (the simulator's flag)")
     p.add_argument("--others", type=int, default=4,
                    help="other batches whose gradients' change estimates the expected curvature")
+    p.add_argument("--fisher", type=int, default=16,
+                   help="the latest gradients the server received, whose outer products "
+                        "(the empirical Fisher, low-rank) estimate the curvature cheaply")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
@@ -83,13 +89,15 @@ def main(argv=None):
     keep = torch.cat([torch.full((q.numel(),), not (a.fresh_head and name.startswith("fc.")))
                       for name, q in server.named_parameters()])
     recent = []  # the latest batches trained on, for the expected-curvature estimate
+    received = []  # the latest gradients applied, for the empirical Fisher
     head_input = {}  # --fresh-head: the features the head of the latest worker saw
     if a.fresh_head:
         for model in workers:
             model.fc.register_forward_pre_hook(
                 lambda module, inputs: head_input.update(x=inputs[0]))
     print("update  epoch  lr/N     |d|/|g|   lambda, share explained:  g^2 delta  "
-          f"g^2 delta/rms  mean(g^2) delta  {a.others} other batches' change")
+          f"g^2 delta/rms  mean(g^2) delta  {a.others} other batches' change  "
+          f"Fisher of {a.fisher}: uncentred, centred")
     update = 0
     for epoch in range(a.epochs):
         iters = []
@@ -119,10 +127,17 @@ def main(argv=None):
                     d = (fresh - stale)[keep]
                     delta = (flat(rule.params) - flat(sent))[keep]
                     g2, ms = (stale * stale)[keep], mean_square[keep]
+                    fisher = torch.zeros_like(delta)  # sum_k g_k (g_k . delta)
+                    centred = torch.zeros_like(delta)  # the same about their mean
+                    if received:
+                        mean_g = torch.stack(received).mean(0)
+                        for past in received:
+                            fisher.add_(past, alpha=(past @ delta).item())
+                            centred.add_(past - mean_g, alpha=((past - mean_g) @ delta).item())
                     cells = []
                     for e in (g2 * delta, g2 * delta / (ms.sqrt() + 1e-7), ms * delta,
-                              others[keep]):
-                        lam = (d @ e) / (e @ e)
+                              others[keep], fisher, centred):
+                        lam = (d @ e) / (e @ e).clamp_min(1e-30)
                         share = 1 - (d - lam * e).norm() ** 2 / d.norm() ** 2
                         cells.append(f"{lam.item():9.3g} {100 * share.item():5.1f}%")
                     ratio = (d.norm() / stale[keep].norm()).item()
@@ -135,6 +150,7 @@ def main(argv=None):
                 loss.backward()
                 grads = [q.grad.float().contiguous() for q in model.parameters()]
                 g = flat(grads)
+                received = (received + [g[keep].clone()])[-a.fisher:]
                 mean_square.mul_(0.95).addcmul_(g, g, value=0.05)
                 if a.fresh_head:  # the head's gradient at the server's parameters
                     grads[-2:] = staleness.head_gradient(

@@ -137,15 +137,17 @@ def test_simulator_fresh_head_and_fresh_only(simulate):
 
 def test_drift_probe_prints_its_measurements():
     """Today's rule (the reply extrapolated, the head fresh): each probe prints the gap and,
-    for each of the four estimates (three diagonals, the other batches' change), its best
-    scale and the share of the gap it explains."""
+    for each of the six estimates (three diagonals, the other batches' change, the empirical
+    Fisher of the latest gradients about zero and about their mean), its best scale and the
+    share of the gap it explains."""
     lines = ok(run_bench("drift.py", "--train", "128", "--epochs", "2", "--every", "2",
-                         "--extra-ahead", "0.5", "--fresh-head", "--others", "2"))
-    assert "2 other batches' change" in lines[0]
+                         "--extra-ahead", "0.5", "--fresh-head", "--others", "2",
+                         "--fisher", "3"))
+    assert "2 other batches' change" in lines[0] and "Fisher of 3" in lines[0]
     probes = [line.split() for line in lines[1:] if line.strip()]
     assert probes, lines
     for cells in probes:
-        assert len(cells) == 4 + 2 * 4, cells
+        assert len(cells) == 4 + 2 * 6, cells
         assert cells[1] == "2"  # probed after the first epoch only
         ratio = float(cells[3])  # |d| / |g|: the stale gradient differs, but not wildly
         assert 0.0 < ratio < 10.0, cells
