@@ -13,9 +13,9 @@ ones (theta, what it should send), with the same dropout masks as the worker's o
 the size of the difference d against the gradient, and for each estimate e of d -- DC-ASGD's
 g * g * delta and g * g * delta / sqrt(mean g^2), and the Fisher diagonal mean(g^2) * delta,
 with delta = theta - theta_sent -- the best scale lambda = <d, e> / <e, e> and the share of
-d's squared norm that lambda * e explains.  The last estimate is the change over the same
+d's squared norm that lambda * e explains.  The fourth estimate is the change over the same
 updates of the gradients of --others other batches (the latest ones the workers trained on),
-averaged: the curvature of the loss in expectation, across parameters, applied to delta
+summed (lambda absorbs their count): the curvature of the loss in expectation, across parameters, applied to delta
 (what a server holding data of its own could compute), without this batch's own; and the
 empirical Fisher of the --fisher latest gradients the server applied, sum_k g_k (g_k . delta),
 about zero and about their mean (a cheap, low-rank stand-in for that curvature: the server
@@ -74,8 +74,8 @@ def main(argv=None):
     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
     n = a.workers
-    # the simulator's defaults: the reply as it was (no --extra-ahead: the rule the figures
-    # quoted were taken with), 6 epochs of global batch 64
+    # the simulator's defaults: 6 epochs of global batch 64, the reply as it was unless
+    # --extra-ahead (the rule the figures first quoted were taken with)
     args = staleness.parse_args(["--lr", str(a.lr), "--epochs", "6", "--batch-size", "64",
                                  "--global-batch", "--extra-ahead", str(a.extra_ahead)]
                                 + ["--fresh-head"] * a.fresh_head)
