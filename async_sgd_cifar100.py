@@ -417,11 +417,12 @@ class Server:
         while active:
             if waiting and len(waiting) == len(active):  # --in-turn: nobody is computing
                 worker = waiting.pop(0)  # the next in turn: on from today's theta, or stop
-                if failure is not None:
+                if failure is not None:  # stopping: if it is gone too, the first reason stands
                     active.discard(worker)
-                lost = self.send(worker, CONTINUE if failure is None else failure.exit_code)
-                if lost is not None:
-                    failure = lost
+                    self.send(worker, failure.exit_code)
+                    continue
+                failure = self.send(worker, CONTINUE)
+                if failure is not None:
                     break
                 continue
             try:

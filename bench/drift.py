@@ -15,8 +15,9 @@ g * g * delta and g * g * delta / sqrt(mean g^2), and the Fisher diagonal mean(g
 with delta = theta - theta_sent -- the best scale lambda = <d, e> / <e, e> and the share of
 d's squared norm that lambda * e explains.  The fourth estimate is the change over the same
 updates of the gradients of --others other batches (the latest ones the workers trained on),
-summed (lambda absorbs their count): the curvature of the loss in expectation, across parameters, applied to delta
-(what a server holding data of its own could compute), without this batch's own; and the
+summed (lambda absorbs their count): the curvature of the loss in expectation, across
+parameters, applied to delta (what a server holding data of its own could compute), without
+this batch's own; and the
 empirical Fisher of the --fisher latest gradients the server applied, sum_k g_k (g_k . delta),
 about zero and about their mean (a cheap, low-rank stand-in for that curvature: the server
 holds those gradients already).
@@ -71,6 +72,8 @@ def main(argv=None):
                    help="the latest gradients the server received, whose outer products "
                         "(the empirical Fisher, low-rank) estimate the curvature cheaply")
     a = p.parse_args(argv)
+    if a.others < 1 or a.fisher < 1:  # (a slice [-0:] would keep every batch and gradient)
+        p.error("--others and --fisher count batches and gradients: use 1 or more")
     warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
     n = a.workers
@@ -127,13 +130,10 @@ def main(argv=None):
                     d = (fresh - stale)[keep]
                     delta = (flat(rule.params) - flat(sent))[keep]
                     g2, ms = (stale * stale)[keep], mean_square[keep]
-                    fisher = torch.zeros_like(delta)  # sum_k g_k (g_k . delta)
-                    centred = torch.zeros_like(delta)  # the same about their mean
-                    if received:
-                        mean_g = torch.stack(received).mean(0)
-                        for past in received:
-                            fisher.add_(past, alpha=(past @ delta).item())
-                            centred.add_(past - mean_g, alpha=((past - mean_g) @ delta).item())
+                    past = torch.stack(received)  # K x P: the latest gradients applied
+                    fisher = past.T @ (past @ delta)  # sum_k g_k (g_k . delta)
+                    past -= past.mean(0)  # the same about their mean
+                    centred = past.T @ (past @ delta)
                     cells = []
                     for e in (g2 * delta, g2 * delta / (ms.sqrt() + 1e-7), ms * delta,
                               others[keep], fisher, centred):
@@ -150,7 +150,7 @@ def main(argv=None):
                 loss.backward()
                 grads = [q.grad.float().contiguous() for q in model.parameters()]
                 g = flat(grads)
-                received = (received + [g[keep].clone()])[-a.fisher:]
+                received = (received + [g[keep]])[-a.fisher:]  # (a masked copy)
                 mean_square.mul_(0.95).addcmul_(g, g, value=0.05)
                 if a.fresh_head:  # the head's gradient at the server's parameters
                     grads[-2:] = staleness.head_gradient(

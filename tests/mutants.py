@@ -53,7 +53,7 @@ RESUME = "tests/test_scripts.py::test_resume_continues_where_it_stopped"
 ASYNC_RESUME = ("tests/test_reliability.py::test_async_sgd_stopped_inside_an_epoch_trains_each_"
                 "batch_of_it_once")
 ASYNC_IN_TURN = ("tests/test_distributed.py::test_async_sgd_in_turn_computes_every_gradient_on_"
-                 "the_current_parameters",)
+                 "the_current_parameters")
 PULL = BUGS + "test_async_server_pulls_back_towards_where_each_gradient_was_computed"
 PULL_FROM = BUGS + "test_async_server_pulls_only_gradients_stale_by_pull_from_or_more"
 PULL_CENTERED = BUGS + "test_async_server_pull_centered_measures_the_gap_beyond_the_expected_drift"
@@ -357,7 +357,7 @@ MUTANTS = [
     Mutant("async-in-turn-replies-at-once", "async_sgd_cifar100.py",
            "            if waiting and len(waiting) == len(active):",
            "            if waiting:",
-           ASYNC_IN_TURN,
+           (ASYNC_IN_TURN,),
            "--in-turn releases each held reply at once instead of when no other worker "
            "computes: the no-staleness control of BENCHMARKS.md has stale gradients"),
     Mutant("broadcast-memory-as-it-lies", "common/distributed.py",

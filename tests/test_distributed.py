@@ -390,8 +390,8 @@ def test_async_sgd_in_turn_computes_every_gradient_on_the_current_parameters(cif
                                                                              tmp_path):
     """--in-turn, the no-staleness control of BENCHMARKS.md: the server holds each reply until
     no other worker computes, so even beside a worker that sleeps after each step only the
-    first round's gradients are stale (the second to arrive by 1 update), each batch is
-    applied once, and the run ends."""
+    first round's gradients are stale (the second and third to arrive by 1 and 2 updates),
+    each batch is applied once, and the run ends."""
     out = tmp_path / "in_turn"
     log = run([MPIRUN, "-np", "4", sys.executable, "async_sgd_cifar100.py",
                *tiny_args(cifar_dir, out, "--batch-size", "12", "--train-limit", "72",
