@@ -305,8 +305,8 @@ class Server:
             self.unpulled = [slice(start, start + tensor.numel()) for start, tensor in
                              ((self.layout.head_weight, model.fc.weight),
                               (self.layout.head_bias, model.fc.bias))] if args.fresh_head else []
-        self.sent = {}  # --pull, --dc-lambda, --fisher, --gap-aware: where each worker computes
-        if args.dc_lambda or self.pull or args.fisher or args.gap_aware:
+        self.sent = {}  # --pull, --dc-lambda: the parameters each worker computes on
+        if args.dc_lambda or self.pull:
             for w in self.workers:  # every worker starts from theta
                 self.replies[w][1:].copy_(self.theta)
                 # its reply buffer is that copy; on a GPU, keep one on the device
@@ -318,26 +318,6 @@ class Server:
             self.mean_square = (mean_square.to(self.theta.device) if mean_square is not None
                                 else torch.zeros_like(self.theta))
             self.scratch = (torch.empty_like(self.theta), torch.empty_like(self.theta))
-        if args.fisher:
-            # its curvature estimate: the latest --fisher-size gradients applied (the head's
-            # entries zeroed with --fresh-head), a ring of rows
-            self.recent = torch.zeros(args.fisher_size, self.theta.numel(),
-                                      device=self.theta.device)
-            self.recent_count = 0
-            self.norm2 = torch.zeros(args.fisher_size, device=self.theta.device)  # |g_k|^2
-            self.moved = torch.empty_like(self.theta)
-            self.head = [slice(self.layout.head_weight,
-                               self.layout.head_weight + model.fc.weight.numel()),
-                         slice(self.layout.head_bias, self.layout.head_bias + model.fc.bias.numel())
-                         ] if args.fresh_head else []
-        if args.gap_aware:
-            # the typical size of an update, per parameter: a running mean of |theta' - theta|
-            self.step_size = None
-            self.before, self.gap_scratch = torch.empty_like(self.theta), torch.empty_like(self.theta)
-            self.head = [slice(self.layout.head_weight,
-                               self.layout.head_weight + model.fc.weight.numel()),
-                         slice(self.layout.head_bias, self.layout.head_bias + model.fc.bias.numel())
-                         ] if args.fresh_head else []
         self.pending, self.sent_version = {}, {w: self.version for w in self.workers}
         self.applied = {w: 0 for w in self.workers}
         self.statistics = {}  # each worker's latest BatchNorm running statistics
@@ -368,14 +348,6 @@ class Server:
             torch.sqrt(self.mean_square, out=root).add_(1e-7)
             gradient.addcdiv_(moved.mul_(gradient).mul_(gradient), root,
                               value=self.args.dc_lambda)
-        if self.args.fisher:  # --fisher L: along the recent gradients' empirical Fisher
-            self.fisher_correction(worker, gradient)
-        if self.args.gap_aware and self.step_size is not None:  # --gap-aware
-            gap = torch.sub(self.theta, self.sent[worker], out=self.gap_scratch).abs_()
-            gap.div_(self.step_size)  # how far each parameter moved since, in typical updates
-            for head in self.head:  # (its gradient is fresh)
-                gap[head] = 1.0
-            gradient.div_(gap.clamp_(min=1.0))
         staleness = self.version - self.sent_version[worker]
         pull = self.pull if staleness >= self.args.pull_from else 0.0  # --pull-from S
         if pull:  # how far the parameters moved since this worker's were sent
@@ -388,8 +360,6 @@ class Server:
             for head in self.unpulled:
                 self.gap[head] = 0.0
         gradient.addcmul_(self.decay, self.theta)  # g + weight decay * theta
-        if self.args.gap_aware:
-            self.before.copy_(self.theta)
         v = self.v[worker]
         if self.ahead:
             self.v_total.sub_(v)
@@ -399,12 +369,6 @@ class Server:
         self.theta.sub_(gradient.add_(v, alpha=self.mu), alpha=self.lr())  # - lr (g + mu v_i)
         if pull:  # back towards where the gradient was computed, P / N of the way
             self.theta.sub_(self.gap, alpha=pull)
-        if self.args.gap_aware:  # the running mean of each parameter's move per update
-            moved = self.before.sub_(self.theta).abs_()
-            if self.step_size is None:
-                self.step_size = moved.clamp(min=1e-12)
-            else:
-                self.step_size.mul_(0.99).add_(moved, alpha=0.01)
         self.statistics[worker] = buffers.clone()  # its latest BatchNorm statistics
         self.staleness.append(staleness)
         self.version += 1
@@ -412,31 +376,6 @@ class Server:
         self.position[worker] += 1
         self.totals = [self.totals[0] + loss_sum, self.totals[1] + correct,
                        self.totals[2] + samples]
-
-    def fisher_correction(self, worker, gradient):
-        """--fisher L: move the gradient, computed at the parameters theta_sent its worker was
-        sent, to the current theta along the empirical Fisher of the K latest gradients
-        applied, g + L sum_k g_k (g_k . (theta - theta_sent)) (a rank-K curvature estimate);
-        then keep g (as it came) among them."""
-        count = min(self.recent_count, self.args.fisher_size)
-        correction = None
-        if count:
-            torch.sub(self.theta, self.sent[worker], out=self.moved)
-            recent = self.recent[:count]
-            weights = recent.mv(self.moved).mul_(self.args.fisher)  # L g_k . (theta - theta_sent)
-            if self.args.fisher_cap:  # each row's curvature, lr L |g_k|^2, at most A
-                cap = self.args.fisher_cap / (self.lr() * self.norm2[:count].clamp(min=1e-30))
-                weights.mul_(cap.clamp(max=self.args.fisher).div_(self.args.fisher))
-            correction = recent.T.mv(weights)  # (0 on the head: its rows are)
-        index = self.recent_count % self.args.fisher_size
-        row = self.recent[index]
-        row.copy_(gradient)
-        for head in self.head:
-            row[head] = 0.0
-        self.norm2[index] = row.dot(row)
-        self.recent_count += 1
-        if correction is not None:
-            gradient.add_(correction)
 
     @torch.no_grad()
     def fresh_head_gradient(self, gradient, features, labels):
@@ -647,19 +586,6 @@ def parse_args(argv=None):
                         "(theta - theta_sent) / sqrt(mean g^2) (default %(default)g: off; 2 is "
                         "DC-ASGD's and helped 2 workers only before the reply was extrapolated, "
                         "never 4 or 8)")
-    g.add_argument("--fisher", type=float, default=0.0, metavar="L",
-                   help="move each gradient to the current parameters along the empirical "
-                        "Fisher of the latest --fisher-size gradients applied, g + L sum_k g_k "
-                        "(g_k . (theta - theta_sent)) (default %(default)g: off)")
-    g.add_argument("--fisher-cap", type=float, default=0.0, metavar="A",
-                   help="--fisher: scale down each gradient's term so that lr L |g_k|^2 is at "
-                        "most A (default %(default)g: no cap)")
-    g.add_argument("--fisher-size", type=int, default=16, metavar="K",
-                   help="how many of the latest gradients --fisher keeps (default %(default)d)")
-    g.add_argument("--gap-aware", action="store_true",
-                   help="divide each parameter's gradient by how far the parameter moved since "
-                        "its worker was sent it, in typical updates, when more than one "
-                        "(Barkai et al. 2020; default: off)")
     g.add_argument("--ahead", type=float, default=None, metavar="K",
                    help="reply with the parameters extrapolated K updates ahead along the "
                         "workers' momentum, theta - K lr mean(v_j) (default: workers - 1, the "
@@ -693,10 +619,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.fisher_size < 1:
-        raise UserError(f"--fisher-size {args.fisher_size} keeps no gradient; use 1 or more")
-    for flag, value in (("--dc-lambda", args.dc_lambda), ("--fisher", args.fisher),
-                        ("--ahead", args.ahead),
+    for flag, value in (("--dc-lambda", args.dc_lambda), ("--ahead", args.ahead),
                         ("--pull", args.pull), ("--pull-from", args.pull_from)):
         if value is not None and value < 0:
             raise UserError(f"{flag} {value:g} is negative; use 0 (off) or more")

@@ -479,18 +479,11 @@ def test_impossible_flags(tmp_path, cifar_dir, flags, words):
     one_error_line(result, *words)
 
 
-@pytest.mark.parametrize("flag", ["--ahead", "--dc-lambda", "--fisher", "--pull", "--pull-from"])
+@pytest.mark.parametrize("flag", ["--ahead", "--dc-lambda", "--pull", "--pull-from"])
 def test_negative_async_rule_flags(tmp_path, cifar_dir, flag):
     result = run(cmd("async_sgd_cifar100.py", cifar_dir, tmp_path / "out", flag, "-1"))
     assert result.returncode == 2
     one_error_line(result, f"{flag} -1 is negative")
-    assert not (tmp_path / "out").exists()
-
-
-def test_a_fisher_estimate_of_no_gradients(tmp_path, cifar_dir):
-    result = run(cmd("async_sgd_cifar100.py", cifar_dir, tmp_path / "out", "--fisher-size", "0"))
-    assert result.returncode == 2
-    one_error_line(result, "--fisher-size 0 keeps no gradient")
     assert not (tmp_path / "out").exists()
 
 
