@@ -256,19 +256,6 @@ def released(proc):
 
 # ----------------------------------------------------------------------------------- server
 
-def early_stages_size(model):
-    """How many parameters come before the network's last stage (hw4: conv1 to conv4_x;
-    torchvision's ResNets: conv1 to layer3), a prefix of the flat parameters; a model without
-    such a stage has none."""
-    last = "conv5_x." if hasattr(model, "conv5_x") else "layer4."
-    size = 0
-    for name, p in model.named_parameters():
-        if name.startswith(last):
-            return size
-        size += p.numel()
-    return 0
-
-
 class Server:
     """Holds the parameters, applies each gradient as it arrives, evaluates every epoch."""
 
@@ -318,15 +305,8 @@ class Server:
             self.unpulled = [slice(start, start + tensor.numel()) for start, tensor in
                              ((self.layout.head_weight, model.fc.weight),
                               (self.layout.head_bias, model.fc.bias))] if args.fresh_head else []
-        # --pull-early Q: the stages before the last (hw4: conv1 to conv4_x), where staleness
-        # costs (BENCHMARKS.md), pulled Q / N of the way on every stale gradient
-        self.pull_early = args.pull_early / n_workers if n_workers > 1 else 0.0
-        if self.pull_early:
-            self.n_early = early_stages_size(model)
-            if not self.pull:
-                self.gap, self.unpulled = torch.empty_like(self.theta), []
         self.sent = {}  # --pull, --dc-lambda: the parameters each worker computes on
-        if args.dc_lambda or self.pull or self.pull_early:
+        if args.dc_lambda or self.pull:
             for w in self.workers:  # every worker starts from theta
                 self.replies[w][1:].copy_(self.theta)
                 # its reply buffer is that copy; on a GPU, keep one on the device
@@ -370,8 +350,7 @@ class Server:
                               value=self.args.dc_lambda)
         staleness = self.version - self.sent_version[worker]
         pull = self.pull if staleness >= self.args.pull_from else 0.0  # --pull-from S
-        early = self.pull_early if staleness >= 1 else 0.0  # --pull-early Q
-        if pull or early:  # how far the parameters moved since this worker's were sent
+        if pull:  # how far the parameters moved since this worker's were sent
             self.pulled += 1
             torch.sub(self.theta, self.sent[worker], out=self.gap)
             if self.args.pull_centered:  # beyond where the reply's forecast put them by now:
@@ -390,9 +369,6 @@ class Server:
         self.theta.sub_(gradient.add_(v, alpha=self.mu), alpha=self.lr())  # - lr (g + mu v_i)
         if pull:  # back towards where the gradient was computed, P / N of the way
             self.theta.sub_(self.gap, alpha=pull)
-        if early > pull:  # the early stages Q / N of the way in all
-            n = self.n_early
-            self.theta[:n].sub_(self.gap[:n], alpha=early - pull)
         self.statistics[worker] = buffers.clone()  # its latest BatchNorm statistics
         self.staleness.append(staleness)
         self.version += 1
@@ -622,10 +598,6 @@ def parse_args(argv=None):
     g.add_argument("--pull-from", type=int, default=PULL_FROM, metavar="S",
                    help="pull only the gradients at least S updates stale (default "
                         "%(default)d: not those one update late, the most with 2 workers)")
-    g.add_argument("--pull-early", type=float, default=0.0, metavar="Q",
-                   help="pull the stages before the last (hw4: conv1 to conv4_x) Q / N of the "
-                        "way instead, on every stale gradient, one update late included "
-                        "(default %(default)g: off; a screening option, BENCHMARKS.md)")
     g.add_argument("--pull-centered", action="store_true",
                    help="measure the pull's gap from where the parameters were expected to be, "
                         "the reply plus K - s updates along the mean buffer for a gradient s "
@@ -648,13 +620,11 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     for flag, value in (("--dc-lambda", args.dc_lambda), ("--ahead", args.ahead),
-                        ("--pull", args.pull), ("--pull-from", args.pull_from),
-                        ("--pull-early", args.pull_early)):
+                        ("--pull", args.pull), ("--pull-from", args.pull_from)):
         if value is not None and value < 0:
             raise UserError(f"{flag} {value:g} is negative; use 0 (off) or more")
-    for flag, value in (("--pull", args.pull), ("--pull-early", args.pull_early)):
-        if value > 1:  # over a round of N updates the pull would overshoot the gap
-            raise UserError(f"{flag} {value:g} is more than 1; use a fraction from 0 (off) to 1")
+    if args.pull > 1:  # over a round of N updates the pull would overshoot the gap
+        raise UserError(f"--pull {args.pull:g} is more than 1; use a fraction from 0 (off) to 1")
     launch = detect_launch()
     n_workers = launch.world_size - 1
     if n_workers < 1:

@@ -673,55 +673,6 @@ def test_async_server_pulls_only_gradients_stale_by_pull_from_or_more(monkeypatc
     assert (pulled.pulled, plain.pulled) == (2, 0)
 
 
-def test_async_server_pull_early_pulls_the_stages_before_the_last_on_every_stale_gradient(
-        monkeypatch):
-    """--pull-early Q: the parameters before the last stage (here `early`, before `conv5_x`)
-    are pulled Q / N of the way back on every stale gradient, one update late included, and
-    the last stage and the head as the rest of the rule says (with 2 workers and --pull-from
-    2: not at all).  Two workers, the reply extrapolated; the order 1, 2, 1, 2 gives staleness
-    0, 1, 1, 1."""
-    sent = {}
-    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
-                        lambda tensor, dst: sent.update({dst: tensor[1:].clone()}) or _Done())
-
-    def server_with(early):  # the same initial weights for both
-        torch.manual_seed(0)
-        model = nn.Sequential(OrderedDict(early=nn.Linear(4, 3), conv5_x=nn.Linear(3, 3),
-                                          fc=nn.Linear(3, 2)))
-        return _server(0, "--pull", "0.2", "--pull-early", early, model=model)[0]
-
-    pulled, plain = server_with("0.6"), server_with("0")
-    assert pulled.n_early == 15  # early's weight and bias come first in theta
-    held = {w: pulled.theta.clone() for w in (1, 2)}
-    torch.manual_seed(1)
-    for worker, staleness in zip((1, 2, 1, 2), (0, 1, 1, 1)):
-        g, theta = torch.randn(35), pulled.theta.clone()
-        plain.theta.copy_(theta)  # the step from the same parameters, without --pull-early
-        plain.v = {w: v.clone() for w, v in pulled.v.items()}
-        plain.v_total = pulled.v_total.clone()
-        plain.version, plain.sent_version = pulled.version, dict(pulled.sent_version)
-        pulled.apply(worker, _gradient_message(g.clone()))
-        plain.apply(worker, _gradient_message(g.clone()))
-        assert pulled.staleness[-1] == staleness
-        expected = plain.theta.clone()
-        if staleness:
-            expected[:15] -= 0.3 * (theta - held[worker])[:15]
-            assert (theta - held[worker])[:15].abs().max() > 1e-3  # a pull to see
-        assert torch.allclose(pulled.theta, expected, atol=1e-6), (worker, staleness)
-        pulled.reply(worker, async_sgd_cifar100.CONTINUE)
-        held[worker] = sent[worker]
-    assert (pulled.pulled, plain.pulled) == (3, 0)
-    # torchvision's ResNets: everything before layer4
-    from torchvision.models import resnet18
-    model = resnet18(num_classes=10)
-    before = sum(p.numel() for n, p in model.named_parameters()
-                 if not n.startswith(("layer4.", "fc.")))
-    assert async_sgd_cifar100.early_stages_size(model) == before
-    # the handout's network: conv1, bn1 and conv2_x to conv4_x (BENCHMARKS.md's 1,434,144)
-    from common.model import build_model
-    assert async_sgd_cifar100.early_stages_size(build_model("hw4", 100)) == 1_434_144
-
-
 def test_async_server_pull_centered_measures_the_gap_beyond_the_expected_drift(monkeypatch):
     """--pull-centered: the pull's gap is measured from where the reply's forecast puts the
     parameters by the time the gradient comes back -- the reply plus K - s updates along the
