@@ -168,10 +168,18 @@ def gap_error(finals, reference):
                      statistics.variance(reference) / len(reference))
 
 
-def save_partial(results):
+def partial_path(json_path=None):
+    """Where the runs done so far are kept: beside --json F (F's name with .partial.json), so
+    that calls side by side (say one per variant of the rule) keep apart; without --json, in
+    bench/results/."""
+    if json_path:
+        return os.path.splitext(json_path)[0] + ".partial.json"
+    return os.path.join(REPO_ROOT, "bench", "results", "convergence_partial.json")
+
+
+def save_partial(results, path):
     """The runs done so far, so that hours of training survive a killed benchmark."""
-    path = os.path.join(REPO_ROOT, "bench", "results", "convergence_partial.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump({name: {str(k): v for k, v in per_seed.items()}
                    for name, per_seed in results.items()}, f, indent=1)
@@ -254,11 +262,12 @@ def merge(paths):
 
 
 def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=(), device="cpu",
-        launcher="mpirun", parallel=1):
+        launcher="mpirun", parallel=1, partial=None):
     """The whole benchmark, or the runs called `names` (as in its table) over `seeds`, every
     run with `flags` added (another recipe) and the async runs with `async_flags` too (a
     rule's variant), for `epochs` if given; on `device`, started by `launcher`, `parallel`
-    runs at a time."""
+    runs at a time; the runs done so far kept in `partial` (default: partial_path())."""
+    partial = partial or partial_path()
     cfg = dict(SMOKE_SIZES if SMOKE else (QUICK if quick else FULL))
     cfg["seeds"] = tuple(seeds or cfg["seeds"])
     cfg["epochs"] = epochs or cfg["epochs"]
@@ -297,7 +306,7 @@ def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=(), de
                 walls.setdefault(name, []).append(wall)
                 log(f"[5] {name}, seed {seed}: final test accuracy "
                     f"{rows[-1]['test_acc']:.2f}% ({wall:.0f} s)")
-                save_partial(results)
+                save_partial(results, partial)
 
         # every configuration once per seed, in turn (so that a seed's runs end together)
         jobs = [(seed, name, kind, processes) for seed in cfg["seeds"]
@@ -334,7 +343,8 @@ if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the asyn
                    help="runs at a time (each process gets cores / (processes x K) threads)")
     p.add_argument("--budget", type=float, default=0, metavar="SECONDS",
                    help="start no run after this many seconds less two minutes (0: no limit)")
-    p.add_argument("--json", metavar="PATH", help="write the results here")
+    p.add_argument("--json", metavar="PATH", help="write the results here (the runs done so "
+                   "far are kept in PATH's name with .partial.json until then)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="train nothing: one table from "
                    "these --json files (the same recipe; more seeds, run at different times)")
     a = p.parse_args()
@@ -343,7 +353,9 @@ if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the asyn
         result = merge(a.merge)
     else:
         result = run(a.quick, a.runs, a.seeds, a.async_flags.split(), a.epochs, a.flags.split(),
-                     a.device, a.launcher, max(1, a.parallel))
+                     a.device, a.launcher, max(1, a.parallel), partial_path(a.json))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
+        if not a.merge and os.path.exists(partial_path(a.json)):
+            os.remove(partial_path(a.json))  # all of it is in PATH now

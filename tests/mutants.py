@@ -360,6 +360,12 @@ MUTANTS = [
            (ASYNC_IN_TURN,),
            "--in-turn releases each held reply at once instead of when no other worker "
            "computes: the no-staleness control of BENCHMARKS.md has stale gradients"),
+    Mutant("bench-partial-in-one-file", "bench/convergence.py",
+           "    partial = partial or partial_path()",
+           "    partial = partial_path()",
+           ("tests/test_bench.py", "-k", "side_by_side"),
+           "convergence.py calls run side by side (one per variant of the rule) write their "
+           "runs so far into one file of the repository"),
     Mutant("broadcast-memory-as-it-lies", "common/distributed.py",
            "data = tensor.data if laid_out else tensor.data.contiguous()",
            "data = tensor.data",

@@ -282,12 +282,42 @@ def test_convergence_on_a_gpu_machine_shares_the_gpu_and_the_cores(monkeypatch):
     assert "--backend" not in convergence.command("sync", 4, "/d", "/o", convergence.FULL, 0)
 
 
+def test_convergence_calls_side_by_side_keep_their_partial_runs_apart(monkeypatch, tmp_path):
+    """Each call's runs done so far go beside its own --json (F.partial.json), so that calls
+    running at once from one repository (one per variant of the rule, on the same seeds) do
+    not write one file; without --json they go to bench/results/ as before."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import convergence
+    monkeypatch.setattr(convergence, "REPO_ROOT", str(tmp_path / "repo"))
+    monkeypatch.setattr(convergence, "make_yardstick", lambda root, n_train, n_test: root)
+
+    def train(kind, processes, data_dir, cfg, seed):
+        acc = 40.0 + seed + (10.0 if cfg["async_flags"] else 0.0)
+        return [{"epoch": 1.0, "test_acc": acc, "train_loss": 2.0, "mean_staleness": 1.0,
+                 "max_staleness": 2.0}], 1.0
+
+    monkeypatch.setattr(convergence, "train", train)
+    paths = {flags: convergence.partial_path(str(tmp_path / f"{name}.json"))
+             for name, flags in (("default", ""), ("variant", "--pull 0.3"))}
+    assert len(set(paths.values())) == 2
+    for flags, path in paths.items():
+        convergence.run(False, ["async, 2 workers"], [3], async_flags=flags.split(), epochs=1,
+                        partial=path)
+    for flags, path in paths.items():
+        with open(path) as f:
+            kept = json.load(f)
+        assert kept["async, 2 workers"]["3"][0]["test_acc"] == (53.0 if flags else 43.0)
+    assert not (tmp_path / "repo").exists()  # nothing in the shared file
+    assert convergence.partial_path() == os.path.join(str(tmp_path / "repo"), "bench",
+                                                      "results", "convergence_partial.json")
+
+
 def test_convergence_in_parallel_keeps_every_run_that_ended(monkeypatch, tmp_path):
     """With --parallel K a failed run is left out and the others are kept, by seed."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import convergence
     monkeypatch.setattr(convergence, "make_yardstick", lambda root, n_train, n_test: root)
-    monkeypatch.setattr(convergence, "save_partial", lambda results: None)
+    monkeypatch.setattr(convergence, "save_partial", lambda results, path: None)
 
     def train(kind, processes, data_dir, cfg, seed):
         if kind == "async" and seed == 1:
