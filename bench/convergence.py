@@ -349,13 +349,14 @@ if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the asyn
                    "these --json files (the same recipe; more seeds, run at different times)")
     a = p.parse_args()
     set_budget(a.budget)
+    partial = None if a.merge else partial_path(a.json)  # a merge trains nothing
     if a.merge:
         result = merge(a.merge)
     else:
         result = run(a.quick, a.runs, a.seeds, a.async_flags.split(), a.epochs, a.flags.split(),
-                     a.device, a.launcher, max(1, a.parallel), partial_path(a.json))
+                     a.device, a.launcher, max(1, a.parallel), partial)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
-        if not a.merge and os.path.exists(partial_path(a.json)):
-            os.remove(partial_path(a.json))  # all of it is in PATH now
+        if partial and os.path.exists(partial):
+            os.remove(partial)  # all of it is in PATH now
