@@ -444,8 +444,8 @@ class Server:
             failure = failure or self.check(kind, message)
             if failure is not None:  # stop: this gradient is not applied
                 active.discard(worker)
-                if kind == GRADIENT:
-                    self.reply(worker, failure.exit_code)
+                if kind == GRADIENT:  # it waits for the exit status (if it is gone by now,
+                    self.send(worker, failure.exit_code)  # the first reason stands)
                 continue
             self.apply(worker, message)
             if self.args.in_turn:  # its reply waits until no other worker computes
@@ -554,8 +554,11 @@ class Server:
         for request in self.pending.values():
             try:
                 request.wait()
-            except RuntimeError:
-                if not isinstance(failure, PeerLost):  # a reply to the lost worker may fail
+            except RuntimeError as exc:
+                # while stopping, a reply to a worker that is gone may fail: the first reason
+                # to stop stands, and the checkpoint below is still written
+                if failure is None or not (isinstance(failure, PeerLost)
+                                           or distributed.is_peer_failure(exc)):
                     raise
         for worker, sent in sorted(finished.items()):
             self.proc.log(f"worker {worker}: {sent} gradients sent, {self.applied[worker]} "

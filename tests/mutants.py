@@ -366,6 +366,19 @@ MUTANTS = [
            ("tests/test_bench.py", "-k", "side_by_side"),
            "convergence.py calls run side by side (one per variant of the rule) write their "
            "runs so far into one file of the repository"),
+    Mutant("stop-reply-to-a-gone-worker-raises", "async_sgd_cifar100.py",
+           "                    self.send(worker, failure.exit_code)  # the first reason stands)",
+           "                    self.reply(worker, failure.exit_code)  # the first reason stands)",
+           ("tests/test_reliability.py", "-k", "stopping_keeps"),
+           "the server, stopping on SIGTERM, answers a worker that has died meanwhile: gloo's "
+           "error escapes as a traceback and the checkpoint is never written"),
+    Mutant("stop-wait-on-a-gone-worker-raises", "async_sgd_cifar100.py",
+           "                if failure is None or not (isinstance(failure, PeerLost)\n"
+           "                                           or distributed.is_peer_failure(exc)):",
+           "                if not isinstance(failure, PeerLost):",
+           ("tests/test_reliability.py", "-k", "stopping_keeps"),
+           "a stop reply to a worker that has died fails when waited for: the server ends with "
+           "a traceback before it writes the checkpoint"),
     Mutant("broadcast-memory-as-it-lies", "common/distributed.py",
            "data = tensor.data if laid_out else tensor.data.contiguous()",
            "data = tensor.data",

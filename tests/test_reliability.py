@@ -225,6 +225,58 @@ def test_async_sgd_worker_death_does_not_hang_the_server(cifar_dir, tmp_path):
     assert state(out)["epoch"] == len(rows(out)) == len(state(out)["rows"])
 
 
+@pytest.mark.parametrize("where", ["isend", "wait"])
+def test_async_server_stopping_keeps_its_reason_and_checkpoint_when_a_worker_is_gone(
+        monkeypatch, where):
+    """SIGTERM reaches the server; each worker's next gradient is answered with the exit
+    status instead of parameters.  If a worker has died meanwhile, that reply fails (at once
+    or when it is waited for): the server must still write its checkpoint and stop with the
+    signal's status, not a gloo traceback that leaves nothing saved."""
+    import async_sgd_cifar100 as script
+    from types import SimpleNamespace
+    from torch import nn
+
+    args = script.parse_args(["--epochs", "2", "--no-fresh-head"])
+    saved = []
+    proc = SimpleNamespace(stop=SimpleNamespace(signum=signal.SIGTERM), log=print)
+    store = SimpleNamespace(path="checkpoint.pt", save=lambda state: saved.append(dict(
+        state.extra)))
+    server = script.Server(nn.Sequential(nn.Linear(4, 3)), 2, args, proc, None,
+                           checkpoint.State(), 10, store, None)
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer")
+
+    class Reply:
+        def __init__(self, fails):
+            self.fails = fails
+
+        def wait(self):
+            if self.fails:
+                raise gone
+
+    replies = {}
+
+    def isend(tensor, dst):  # worker 1 is gone; worker 2 is not
+        if dst == 1 and where == "isend":
+            raise gone
+        replies[dst] = tensor[0].item()
+        return Reply(fails=dst == 1)
+
+    order = iter([1, 2])  # a gradient from each, in that order
+
+    def recv(message):
+        message.zero_()
+        message[:4] = torch.tensor([script.GRADIENT, 4.0, 1.0, 5.0])
+        return next(order)
+
+    monkeypatch.setattr(script.dist, "isend", isend)
+    monkeypatch.setattr(script.dist, "recv", recv)
+    with pytest.raises(script.Interrupted) as stopped:
+        server.serve()
+    assert stopped.value.exit_code == 128 + signal.SIGTERM
+    assert replies[2] == 128 + signal.SIGTERM  # the live worker is told to stop, with why
+    assert len(saved) == 1 and saved[0]["updates"] == 0  # the checkpoint is written
+
+
 class Finished:
     """What `one_error_line` reads, for a process started with `start`."""
 
