@@ -9,10 +9,13 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
+import async_sgd_cifar100
 from common import checkpoint
 from common.launch import free_port
 from datagen import make_cifar100, make_tinyimagenet
@@ -232,17 +235,13 @@ def test_async_server_stopping_keeps_its_reason_and_checkpoint_when_a_worker_is_
     status instead of parameters.  If a worker has died meanwhile, that reply fails (at once
     or when it is waited for): the server must still write its checkpoint and stop with the
     signal's status, not a gloo traceback that leaves nothing saved."""
-    import async_sgd_cifar100 as script
-    from types import SimpleNamespace
-    from torch import nn
-
-    args = script.parse_args(["--epochs", "2", "--no-fresh-head"])
+    args = async_sgd_cifar100.parse_args(["--epochs", "2", "--no-fresh-head"])
     saved = []
     proc = SimpleNamespace(stop=SimpleNamespace(signum=signal.SIGTERM), log=print)
     store = SimpleNamespace(path="checkpoint.pt", save=lambda state: saved.append(dict(
         state.extra)))
-    server = script.Server(nn.Sequential(nn.Linear(4, 3)), 2, args, proc, None,
-                           checkpoint.State(), 10, store, None)
+    server = async_sgd_cifar100.Server(nn.Sequential(nn.Linear(4, 3)), 2, args, proc, None,
+                                       checkpoint.State(), 10, store, None)
     gone = RuntimeError("[gloo/transport/tcp/pair.cc:598] Connection closed by peer")
 
     class Reply:
@@ -265,12 +264,12 @@ def test_async_server_stopping_keeps_its_reason_and_checkpoint_when_a_worker_is_
 
     def recv(message):
         message.zero_()
-        message[:4] = torch.tensor([script.GRADIENT, 4.0, 1.0, 5.0])
+        message[:4] = torch.tensor([async_sgd_cifar100.GRADIENT, 4.0, 1.0, 5.0])
         return next(order)
 
-    monkeypatch.setattr(script.dist, "isend", isend)
-    monkeypatch.setattr(script.dist, "recv", recv)
-    with pytest.raises(script.Interrupted) as stopped:
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend", isend)
+    monkeypatch.setattr(async_sgd_cifar100.dist, "recv", recv)
+    with pytest.raises(async_sgd_cifar100.Interrupted) as stopped:
         server.serve()
     assert stopped.value.exit_code == 128 + signal.SIGTERM
     assert replies[2] == 128 + signal.SIGTERM  # the live worker is told to stop, with why
