@@ -10,6 +10,7 @@ import json
 import math
 from collections import OrderedDict
 import os
+import re
 import subprocess
 import sys
 
@@ -772,3 +773,13 @@ def test_every_mutant_still_applies_to_the_code_and_names_real_tests():
     import mutants
     stale = {m.name: why for m in mutants.MUTANTS if (why := mutants.stale(m))}
     assert not stale, f"update these mutants along with the code and tests: {stale}"
+
+
+def test_readme_counts_the_mutants_there_are():
+    """The README tells a user how many classic bugs `python tests/mutants.py` checks; a
+    mutant added without updating it would make that figure quietly wrong."""
+    import mutants
+    with open(os.path.join(ROOT, "README.md")) as f:
+        counted = re.search(r"The whole list \((\d+) bugs\)", f.read())
+    assert counted, "README.md no longer says how many bugs tests/mutants.py checks"
+    assert int(counted.group(1)) == len(mutants.MUTANTS)
