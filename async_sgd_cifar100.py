@@ -91,8 +91,10 @@ RECIPE = dict(epochs=40, batch_size=128, lr=0.1, momentum=0.9, weight_decay=5e-4
               warmup_epochs=1.0, label_smoothing=0.1)
 
 # The messages, one flat float32 tensor each (one isend / irecv moves each):
-#   worker -> server  [kind, samples, correct, loss sum | gradient | BatchNorm buffers]
+#   worker -> server  [kind, samples, correct, loss sum | gradient | BatchNorm buffers
+#                      | the head's input features and labels (--fresh-head)]
 #   server -> worker  [status | parameters]     status: CONTINUE, or the exit status to stop with
+#   and at the end, server -> worker [status]   releases a worker that has sent DONE
 GRADIENT, DONE, STOPPING = 0.0, 1.0, 2.0
 HEADER = 4
 CONTINUE = 0.0
@@ -595,7 +597,8 @@ def parse_args(argv=None):
                         "expected staleness; 0: theta as it is)")
     g.add_argument("--pull", type=float, default=PULL, metavar="P",
                    help="each update also moves the parameters P / N of the way back to the "
-                        "ones its worker computed the gradient on (the head excepted), which "
+                        "ones its worker computed the gradient on (the head excepted under "
+                        "--fresh-head), which "
                         "damps the other workers' moves that the reply did not foresee "
                         "(default %(default)g; 0: off; 0.4 measured slower)")
     g.add_argument("--pull-from", type=int, default=PULL_FROM, metavar="S",
@@ -615,7 +618,7 @@ def parse_args(argv=None):
     g.add_argument("--fresh-head", action=argparse.BooleanOptionalAction, default=True,
                    help="the server recomputes the head's (fc) gradient at its current "
                         "parameters from the features and labels each worker sends, so that "
-                        "the layer staleness hurts most is never stale (default: on)")
+                        "the layer staleness hurts most is never stale")
     parser.set_defaults(backend="gloo")
     return parser.parse_args(argv)
 

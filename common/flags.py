@@ -18,10 +18,11 @@ def non_negative_float(text):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show defaults, except the uninformative None / False of optional flags."""
+    """Show defaults, except the uninformative None / False of optional flags (by identity:
+    a default of 0 is shown)."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False):
+        if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
 
@@ -81,8 +82,9 @@ def make_parser(description, script, recipe, *, dataset, arch):
                    help="hw4: the handout's ResNet (Figures 1, 2); resnet18 / resnet50: "
                         "torchvision's (ResNet-50 v1.5)")
     w.add_argument("--image-size", type=positive_int, default=None,
-                   help="side of the training images (imagefolder: the crop, default 224; "
-                        "cifar100/tinyimagenet: resized on the device, default native)")
+                   help="side of the training images (imagefolder: the crop, 224 when unset; "
+                        "cifar100/tinyimagenet: resized to it on the device, native when "
+                        "unset)")
     w.add_argument("--dropout", type=float, default=0.1,
                    help="dropout probability after conv1 (hw4 only, Figure 1)")
 

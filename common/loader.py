@@ -82,8 +82,9 @@ class ShardedLoader:
 class DeviceLoader(ShardedLoader):
     """Batches of an in-memory ImageSet, held and augmented on the training device.
 
-    Each training batch gets a random crop with zero padding (`pad`, default 1/8 of the side)
-    and a horizontal flip, drawn per batch; test batches are only normalised.
+    Each training image gets its own random crop with zero padding (`pad`, default 1/8 of the
+    side) and horizontal flip, drawn from a generator seeded per batch; test batches are only
+    normalised.
     """
 
     def __init__(self, data, batch_size, device, *, train, pad=None, augment=None, **shard):

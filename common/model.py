@@ -1,7 +1,7 @@
 """Models: the HW4 ResNet of Figures 1 and 2, and torchvision's ResNets with their ImageNet
 weights for fine-tuning.
 
-Two choices the handout leaves open are named arguments of `HW4ResNet`:
+Three choices the handout leaves open; the first two are named arguments of `HW4ResNet`:
 
 * ``post_add_relu`` -- Figure 2 draws no ReLU after the addition; He et al. (2016) and the
   slides' ``BasicBlock`` code apply one.  Default ``True`` (He et al.); ``False`` is Figure 2
