@@ -2,6 +2,7 @@
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -469,3 +470,14 @@ def test_dummy_limits_train_and_test_on_the_same_classes(tmp_path):
     assert torch.bincount(train.labels, minlength=100).max() == 1 and len(set(
         train.labels.tolist())) == 60
     assert set(test.labels.tolist()) <= set(train.labels.tolist())
+
+
+def test_help_shows_a_default_of_zero_and_hides_none_and_false():
+    """`--help` shows each flag's default except an unset None or a store_true's False; a
+    default of 0 (--seed) is a real value and is shown (0 == False must not hide it)."""
+    text = " ".join(flags.make_parser("test", "test", resnet_cifar100.RECIPE, dataset="cifar100",
+                                      arch="hw4").format_help().split())
+    assert re.search(r"--seed SEED .*?\(default: 0\)", text)
+    assert re.search(r"--lr LR .*?\(default: 0\.1\)", text)
+    dummy = re.search(r"--dummy (.*?) --train-limit", text).group(1)
+    assert "default" not in dummy  # False: not shown
