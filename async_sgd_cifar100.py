@@ -598,9 +598,8 @@ def parse_args(argv=None):
     g.add_argument("--pull", type=float, default=PULL, metavar="P",
                    help="each update also moves the parameters P / N of the way back to the "
                         "ones its worker computed the gradient on (the head excepted under "
-                        "--fresh-head), which "
-                        "damps the other workers' moves that the reply did not foresee "
-                        "(default %(default)g; 0: off; 0.4 measured slower)")
+                        "--fresh-head), which damps the other workers' moves that the reply "
+                        "did not foresee (default %(default)g; 0: off; 0.4 measured slower)")
     g.add_argument("--pull-from", type=int, default=PULL_FROM, metavar="S",
                    help="pull only the gradients at least S updates stale (default "
                         "%(default)d: not those one update late, the most with 2 workers)")
