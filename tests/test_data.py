@@ -21,9 +21,13 @@ from tests.datagen import (CIFAR100_FINE_LABEL_NAMES, cifar_label_from_image, ma
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def parse(*argv):
+def parser():
     return flags.make_parser("test", "test", resnet_cifar100.RECIPE, dataset="cifar100",
-                             arch="hw4").parse_args(list(argv))
+                             arch="hw4")
+
+
+def parse(*argv):
+    return parser().parse_args(list(argv))
 
 
 # ------------------------------------------------------------------------------ CIFAR-100
@@ -475,8 +479,7 @@ def test_dummy_limits_train_and_test_on_the_same_classes(tmp_path):
 def test_help_shows_a_default_of_zero_and_hides_none_and_false():
     """`--help` shows each flag's default except an unset None or a store_true's False; a
     default of 0 (--seed) is a real value and is shown (0 == False must not hide it)."""
-    text = " ".join(flags.make_parser("test", "test", resnet_cifar100.RECIPE, dataset="cifar100",
-                                      arch="hw4").format_help().split())
+    text = " ".join(parser().format_help().split())
     assert re.search(r"--seed SEED .*?\(default: 0\)", text)
     assert re.search(r"--lr LR .*?\(default: 0\.1\)", text)
     dummy = re.search(r"--dummy (.*?) --train-limit", text).group(1)
