@@ -183,9 +183,14 @@ class TensorBoardLog:
 
 
 def prepare_out_dir(out):
-    """Create --out and prove it is writable before any training time is spent."""
+    """Create --out and prove it is writable before any training time is spent.
+
+    The folders this creates are removed again at exit if the run leaves them empty (it failed
+    before writing anything: no data, no network), so a failed start leaves no trace."""
     try:
+        created = missing_folders(out)
         os.makedirs(out, exist_ok=True)
+        atexit.register(remove_if_empty, created)
         probe = os.path.join(out, f".write-test.{os.getpid()}")
         with open(probe, "w"):
             pass
@@ -193,6 +198,25 @@ def prepare_out_dir(out):
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write there ({exc.strerror}); "
                         "choose a writable folder") from None
+
+
+def missing_folders(path):
+    """The folders of `path` that do not exist yet, deepest first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_if_empty(folders):
+    """Remove `folders` (deepest first) while they are empty; a folder with files stays."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty (the run wrote something), or gone already
+            return
 
 
 LOCK_FILE = ".lock"

@@ -444,6 +444,7 @@ def test_download_without_network_is_one_line_saying_how_to_place_it(tmp_path, s
     assert result.returncode == 2
     one_error_line(result, f"could not fetch {name}", "unpack it into", str(tmp_path / "data"),
                    "without --download")
+    assert not (tmp_path / "out").exists()  # no empty run folder left behind
 
 
 def corrupt_cifar(root, how):

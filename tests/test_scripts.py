@@ -231,6 +231,17 @@ def test_missing_data(script, folder, tmp_path, resnet18_weights):
                       *SMALL, *weights, cwd=tmp_path)
     one_error_line(proc, os.path.join(str(data_dir), folder), "--download")
     assert os.listdir(data_dir) == []
+    assert not (tmp_path / "out").exists()  # a failed start leaves no empty run folder
+
+
+def test_failed_start_keeps_a_folder_it_did_not_create(tmp_path):
+    data_dir, out = tmp_path / "data", tmp_path / "mine"
+    data_dir.mkdir()
+    out.mkdir()  # the user's own (empty) folder: it was there before, so it stays
+    proc = run_script("resnet_cifar100.py", "--data-dir", data_dir, "--out", out / "a" / "b",
+                      "--epochs", 1, *SMALL, cwd=tmp_path)
+    one_error_line(proc, "--download")
+    assert out.is_dir() and os.listdir(out) == []  # a/b made by the run: gone; mine: kept
 
 
 def _bad_weights(path, kind):
