@@ -1,6 +1,7 @@
 """The run folder (--out): claimed by one run at a time, and its files config.json, metrics.csv,
 curve.png and, with --tensorboard, tb/ (checkpoint.pt: common/checkpoint.py)."""
 import atexit
+import contextlib
 import csv
 import datetime
 import errno
@@ -105,12 +106,9 @@ def write_metrics(out, rows):
             writer = csv.DictWriter(f, fieldnames=columns)
             writer.writeheader()
             for row in rows:
-                writer.writerow({k: _fmt(v) for k, v in row.items()})
+                writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v
+                                 for k, v in row.items()})
     atomic_write(os.path.join(out, "metrics.csv"), write)
-
-
-def _fmt(value):
-    return f"{value:.6g}" if isinstance(value, float) else value
 
 
 def curve_figure(rows, title, target=None):
@@ -163,13 +161,10 @@ TENSORBOARD_TAGS = {"train_loss": "loss/train", "test_loss": "loss/test",
 
 
 class TensorBoardLog:
-    """--tensorboard: each epoch's scalars in <out>/tb, at step = epoch number.
-
-    A resumed run therefore continues at the next epoch.  `purge_step` is the first epoch this
-    process writes: TensorBoard drops the points at or after it that an earlier process wrote,
-    and RunFolder writes them again from the checkpoint's rows, so tb/ shows every epoch the
-    checkpoint holds, once.
-    """
+    """--tensorboard: each epoch's scalars in <out>/tb, at step = epoch number, so a resumed run
+    continues at the next epoch.  `purge_step` is the first epoch this process writes:
+    TensorBoard drops the points at or after it that an earlier process wrote, and RunFolder
+    writes them again from the checkpoint's rows, so tb/ shows every epoch it holds, once."""
 
     def __init__(self, out, first_epoch):
         from torch.utils.tensorboard import SummaryWriter
@@ -183,14 +178,14 @@ class TensorBoardLog:
 
 
 def prepare_out_dir(out):
-    """Create --out and prove it is writable before any training time is spent.
-
-    The folders this creates are removed again at exit if the run leaves them empty (it failed
-    before writing anything: no data, no network), so a failed start leaves no trace."""
+    """Create --out and prove it writable before any training time is spent.  Folders made here
+    are removed at exit if still empty: a run that fails before writing anything leaves none."""
+    made, path = [], os.path.abspath(out)
+    while not os.path.exists(path):
+        made, path = made + [path], os.path.dirname(path)
     try:
-        created = missing_folders(out)
         os.makedirs(out, exist_ok=True)
-        atexit.register(remove_if_empty, created)
+        atexit.register(remove_empty, made)  # runs after _release_lock: atexit is last-in first-out
         probe = os.path.join(out, f".write-test.{os.getpid()}")
         with open(probe, "w"):
             pass
@@ -200,23 +195,11 @@ def prepare_out_dir(out):
                         "choose a writable folder") from None
 
 
-def missing_folders(path):
-    """The folders of `path` that do not exist yet, deepest first."""
-    missing = []
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing
-
-
-def remove_if_empty(folders):
-    """Remove `folders` (deepest first) while they are empty; a folder with files stays."""
-    for folder in folders:
-        try:
+def remove_empty(folders):
+    """os.rmdir each of `folders` (deepest first) until one is not empty."""
+    with contextlib.suppress(OSError):
+        for folder in folders:
             os.rmdir(folder)
-        except OSError:  # not empty (the run wrote something), or gone already
-            return
 
 
 LOCK_FILE = ".lock"
@@ -271,8 +254,6 @@ def _read_holder(fd):
 def _release_lock(path):
     fd = _held_locks.pop(path, None)
     if fd is not None:
-        try:
-            os.remove(path)  # while still holding it: nobody can lock the old file meanwhile
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # removed while still held: nobody locks it meanwhile
+            os.remove(path)
         os.close(fd)
