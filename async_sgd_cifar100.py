@@ -584,7 +584,7 @@ def parse_args(argv=None):
     parser = flags.make_parser(__doc__, SCRIPT, RECIPE, dataset="cifar100", arch="hw4")
     flags.add_distributed_flags(parser)
     g = parser.add_argument_group("async SGD")
-    g.add_argument("--straggler-delay", type=float, default=0.0, metavar="SECONDS",
+    g.add_argument("--straggler-delay", type=flags.non_negative_float, default=0.0, metavar="SECONDS",
                    help="make worker 1 sleep this long after each step (shows staleness)")
     g.add_argument("--dc-lambda", type=float, default=DC_LAMBDA, metavar="LAMBDA",
                    help="delay compensation's strength, lambda in DC-ASGD's g + lambda g*g*"
@@ -628,6 +628,8 @@ def main(argv=None):
                         ("--pull", args.pull), ("--pull-from", args.pull_from)):
         if value is not None and value < 0:
             raise UserError(f"{flag} {value:g} is negative; use 0 (off) or more")
+        if value is not None and not math.isfinite(value):
+            raise UserError(f"{flag} {value:g} is not a number; use 0 (off) or more")
     if args.pull > 1:  # over a round of N updates the pull would overshoot the gap
         raise UserError(f"--pull {args.pull:g} is more than 1; use a fraction from 0 (off) to 1")
     launch = detect_launch()

@@ -122,7 +122,7 @@ def parse_args(argv=None):
                    help="how gradients are averaged: BucketedAllReduce (overlapped with "
                         "backward), the slides' average_gradients, or torch's "
                         "DistributedDataParallel (for comparison)")
-    g.add_argument("--bucket-mb", type=float, default=25.0,
+    g.add_argument("--bucket-mb", type=flags.positive_float, default=25.0,
                    help="size of all_reduce buckets (DDP's default size; see BENCHMARKS.md)")
     g.add_argument("--sync-bn", action="store_true",
                    help="BatchNorm statistics over the global batch (SyncBatchNorm)")

@@ -1,5 +1,6 @@
 """The command-line flags every script shares; each main sets its recipe as their defaults."""
 import argparse
+import math
 import os
 
 
@@ -10,10 +11,38 @@ def positive_int(text):
     return value
 
 
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def seed(text):
+    value = int(text)
+    if not 0 <= value < 2**32:  # what every RNG the scripts seed accepts
+        raise argparse.ArgumentTypeError(f"must be from 0 to {2**32 - 1}, not {text}")
+    return value
+
+
 def non_negative_float(text):
     value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
+    if not 0 <= value < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
+    return value
+
+
+def fraction(text):
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {text}")
     return value
 
 
@@ -71,7 +100,7 @@ def make_parser(description, script, recipe, *, dataset, arch):
                    help="use only N training samples, every class alike (a seeded subset)")
     d.add_argument("--test-limit", type=positive_int, metavar="N",
                    help="use only N test samples, every class alike (a seeded subset)")
-    d.add_argument("--workers", type=int, default=min(8, len(os.sched_getaffinity(0))),
+    d.add_argument("--workers", type=non_negative_int, default=min(8, len(os.sched_getaffinity(0))),
                    help="processes decoding image files (TinyImageNet, imagefolder)")
 
     w = p.add_argument_group("workload")
@@ -85,21 +114,21 @@ def make_parser(description, script, recipe, *, dataset, arch):
                    help="side of the training images (imagefolder: the crop, 224 when unset; "
                         "cifar100/tinyimagenet: resized to it on the device, native when "
                         "unset)")
-    w.add_argument("--dropout", type=float, default=0.1,
+    w.add_argument("--dropout", type=fraction, default=0.1,
                    help="dropout probability after conv1 (hw4 only, Figure 1)")
 
     t = p.add_argument_group("training (the recipe)")
     t.add_argument("--epochs", type=positive_int, help="epochs to train")
     t.add_argument("--batch-size", type=positive_int, help="images per update")
     t.add_argument("--lr", type=non_negative_float, help="peak learning rate")
-    t.add_argument("--momentum", type=non_negative_float, help="SGD momentum (Nesterov)")
+    t.add_argument("--momentum", type=fraction, help="SGD momentum (Nesterov)")
     t.add_argument("--weight-decay", type=non_negative_float,
                    help="L2 on weights (not on BatchNorm or biases)")
     t.add_argument("--warmup-epochs", type=non_negative_float,
                    help="linear warm-up, then cosine decay to zero")
-    t.add_argument("--label-smoothing", type=non_negative_float,
+    t.add_argument("--label-smoothing", type=fraction,
                    help="label smoothing of the training loss")
-    t.add_argument("--seed", type=int, default=0,
+    t.add_argument("--seed", type=seed, default=0,
                    help="seeds model init, shuffling, augmentation and dropout")
 
     r = p.add_argument_group("run")
@@ -125,6 +154,6 @@ def add_distributed_flags(parser):
     g = parser.add_argument_group("distributed")
     g.add_argument("--backend", choices=["auto", "gloo", "nccl", "mpi"], default="auto",
                    help="torch.distributed backend (auto: nccl on CUDA, else gloo)")
-    g.add_argument("--timeout", type=float, default=600.0,
+    g.add_argument("--timeout", type=positive_float, default=600.0,
                    help="seconds a collective may wait for the other ranks before failing")
     return g

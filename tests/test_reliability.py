@@ -16,6 +16,9 @@ import torch
 from torch import nn
 
 import async_sgd_cifar100
+import resnet_cifar100
+import resnet_tinyimagenet
+import sync_sgd_cifar100
 from common import checkpoint
 from common.launch import free_port
 from datagen import make_cifar100, make_tinyimagenet
@@ -531,12 +534,48 @@ def test_impossible_flags(tmp_path, cifar_dir, flags, words):
     one_error_line(result, *words)
 
 
+SCRIPTS = {"resnet_cifar100": resnet_cifar100, "resnet_tinyimagenet": resnet_tinyimagenet,
+           "sync_sgd_cifar100": sync_sgd_cifar100, "async_sgd_cifar100": async_sgd_cifar100}
+
+
+@pytest.mark.parametrize("script, flag, value", [
+    ("resnet_cifar100", "--dropout", "1.5"), ("resnet_cifar100", "--dropout", "-0.1"),
+    ("resnet_cifar100", "--momentum", "1"), ("resnet_cifar100", "--label-smoothing", "2"),
+    ("resnet_cifar100", "--seed", "-1"), ("resnet_cifar100", "--seed", str(2**64)),
+    ("resnet_cifar100", "--lr", "nan"), ("resnet_cifar100", "--weight-decay", "inf"),
+    ("resnet_tinyimagenet", "--workers", "-1"), ("sync_sgd_cifar100", "--timeout", "0"),
+    ("sync_sgd_cifar100", "--bucket-mb", "0"), ("async_sgd_cifar100", "--timeout", "inf"),
+    ("async_sgd_cifar100", "--straggler-delay", "-1"),
+])
+def test_a_flag_out_of_its_range_is_one_line(script, flag, value, capsys):
+    """Values torch or the RNGs would refuse with a traceback (dropout 1.5, a seed over 64 bits,
+    a negative sleep), or train on without sense (momentum 1), stop at the command line."""
+    with pytest.raises(SystemExit) as stop:
+        SCRIPTS[script].parse_args([flag, value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument {flag}" in err and value in err, err
+
+
+def test_the_ends_of_each_range_are_accepted():
+    args = resnet_cifar100.parse_args(["--momentum", "0", "--dropout", "0", "--label-smoothing",
+                                       "0.99", "--seed", str(2**32 - 1), "--workers", "0"])
+    assert (args.momentum, args.dropout, args.seed, args.workers) == (0, 0, 2**32 - 1, 0)
+    assert async_sgd_cifar100.parse_args(["--straggler-delay", "0"]).straggler_delay == 0
+
+
 @pytest.mark.parametrize("flag", ["--ahead", "--dc-lambda", "--pull", "--pull-from"])
 def test_negative_async_rule_flags(tmp_path, cifar_dir, flag):
     result = run(cmd("async_sgd_cifar100.py", cifar_dir, tmp_path / "out", flag, "-1"))
     assert result.returncode == 2
     one_error_line(result, f"{flag} -1 is negative")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_rule_flag_that_is_not_a_number(tmp_path, cifar_dir):
+    result = run(cmd("async_sgd_cifar100.py", cifar_dir, tmp_path / "out", "--pull", "nan"))
+    assert result.returncode == 2
+    one_error_line(result, "--pull nan is not a number")
 
 
 def test_a_pull_of_more_than_the_gap(tmp_path, cifar_dir):
