@@ -11,7 +11,7 @@ transforms crop and flip each sample: random-resized crop + flip for training, r
 """
 import os
 import pickle
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,9 +156,19 @@ def download_cifar100(data_dir):
 def _download_errors(name, url, data_dir, expected):
     """A failed download (no network, a proxy, a bad checksum) as one line that says how to put
     the data set in place by hand, instead of urllib's traceback."""
+    made = not os.path.isdir(data_dir)
+    try:
+        os.makedirs(data_dir, exist_ok=True)
+    except OSError as exc:  # not a network problem: say so, and what to change
+        why = "a file is there" if os.path.isfile(data_dir) else exc.strerror
+        raise UserError(f"--data-dir {data_dir}: cannot make the folder to download into "
+                        f"({why}); choose a folder you can write") from None
     try:
         yield
     except (OSError, RuntimeError) as exc:  # URLError and timeouts are OSErrors
+        if made:  # leave no empty folder behind
+            with suppress(OSError):
+                os.rmdir(data_dir)
         reason = (getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
                   or type(exc).__name__)
         raise UserError(f"--download: could not fetch {name} from {url} ({reason}); on a machine "

@@ -450,6 +450,18 @@ def test_download_without_network_is_one_line_saying_how_to_place_it(tmp_path, s
     assert not (tmp_path / "out").exists()  # no empty run folder left behind
 
 
+@pytest.mark.parametrize("script", ["resnet_cifar100.py", "resnet_tinyimagenet.py"])
+def test_download_into_a_data_dir_that_cannot_be_made_names_it(tmp_path, script):
+    """Not a network failure: the line says --data-dir is the problem, not the download."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for data_dir, why in ((blocker, "a file is there"), (blocker / "data", "Not a directory")):
+        result = run(cmd(script, data_dir, tmp_path / "out", "--download"))
+        assert result.returncode == 2
+        one_error_line(result, f"--data-dir {data_dir}", why, "choose a folder you can write")
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]
+
+
 def corrupt_cifar(root, how):
     folder = make_cifar100(root, n_train=64, n_test=32)
     train = folder / "train"
