@@ -230,9 +230,14 @@ def merge(paths):
     same = ("n_train", "n_test", "epochs", "batch", "lr", "flags", "async_flags")
     cfg, results = None, {}
     for path in paths:
-        with open(path) as f:
-            part = json.load(f)
-        recipe = {k: part["config"].get(k, []) for k in same}
+        try:
+            with open(path) as f:
+                part = json.load(f)
+            recipe = {k: part["config"].get(k, []) for k in same}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            what = (f"cannot read it ({exc.strerror})" if isinstance(exc, OSError)
+                    else "not a --json file of this script")
+            raise SystemExit(f"--merge: {path}: {what}; name the files its --json wrote") from None
         here = {k: part["config"].get("machine", {}).get(k)
                 for k in ("torch", "precision", "avx512", "gpu")}
         if cfg is None:

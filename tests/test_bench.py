@@ -222,6 +222,17 @@ def test_convergence_merge_pools_seeds_of_one_precision_only(monkeypatch, tmp_pa
                            part("sync, 2 ranks", 3, 44.0, bf16, gpu="NVIDIA H200")])
 
 
+def test_convergence_merge_of_a_missing_or_foreign_file_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import convergence
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text('{"a": 1}')
+    with pytest.raises(SystemExit, match="missing.json: cannot read it"):
+        convergence.merge([str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit, match="foreign.json: not a --json file of this script"):
+        convergence.merge([str(foreign)])
+
+
 def test_convergence_reports_the_training_loss_gap_beside_the_accuracy_gap(monkeypatch,
                                                                            capsys):
     """The table gives each async run's gap to sync in final training loss too (mean and
