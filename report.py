@@ -196,7 +196,8 @@ def find_runs(roots, say):
     runs, skipped = [], []
     for root in roots:
         if not os.path.isdir(root):
-            raise UserError(f"{root}: no such folder; name the folder holding the runs "
+            what = "a file, not a folder" if os.path.exists(root) else "no such folder"
+            raise UserError(f"{root}: {what}; name the folder holding the runs "
                             "(the scripts' --out, runs/ by default)")
         found = 0
         for folder in run_folders(root):

@@ -254,6 +254,9 @@ def test_target_applies_on_the_scripts_own_data_set():
 def test_report_without_runs_is_one_error(tmp_path, capsys):
     with pytest.raises(UserError, match="no such folder"):
         report.main([str(tmp_path / "missing")])
+    (tmp_path / "a-file").write_text("metrics")
+    with pytest.raises(UserError, match="a-file: a file, not a folder"):
+        report.main([str(tmp_path / "a-file")])
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no run to report"):
         report.main([str(tmp_path / "empty")])
