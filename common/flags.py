@@ -20,7 +20,7 @@ def non_negative_int(text):
 
 def seed(text):
     value = int(text)
-    if not 0 <= value < 2**32:  # what every RNG the scripts seed accepts
+    if not 0 <= value < 2**32:  # numpy's range (torch's and Python's are wider): one for all
         raise argparse.ArgumentTypeError(f"must be from 0 to {2**32 - 1}, not {text}")
     return value
 
