@@ -362,8 +362,12 @@ def read_imagefolder(data_dir, image_size):
                                 transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
     val = transforms.Compose([transforms.Resize(resize), transforms.CenterCrop(image_size),
                               transforms.PILToTensor()])
-    train_set = datasets.ImageFolder(os.path.join(data_dir, "train"), transform=train)
-    val_set = datasets.ImageFolder(os.path.join(data_dir, "val"), transform=val)
+    try:  # a split without class folders, or a class folder without images
+        train_set = datasets.ImageFolder(os.path.join(data_dir, "train"), transform=train)
+        val_set = datasets.ImageFolder(os.path.join(data_dir, "val"), transform=val)
+    except FileNotFoundError as exc:
+        raise UserError(f"{data_dir}: {str(exc).rstrip('.')}; every class needs images in "
+                        "train/ and val/") from None
     if val_set.classes != train_set.classes:
         raise UserError(f"{data_dir}: val/ and train/ hold different class folders")
     return train_set, val_set

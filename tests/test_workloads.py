@@ -95,6 +95,27 @@ def test_imagefolder_shards_cover_the_validation_set_once(imagefolder_dir):
     assert sorted(seen) == sorted(val_set.targets)
 
 
+@pytest.mark.parametrize("empty", ["a class folder", "a split"])
+def test_an_image_folder_without_images_is_one_clear_line(tmp_path, empty):
+    """torchvision's ImageFolder raises FileNotFoundError for a class folder without images or
+    a split without class folders: one line naming --data-dir, not a traceback."""
+    root = tmp_path / "images"
+    for split in ("train", "val"):
+        (root / split / "a").mkdir(parents=True)
+        if empty == "a class folder" or split == "val":
+            (root / split / "a" / "0.png").write_bytes(b"")  # never decoded: found by name
+    (root / "train" / "b").mkdir()  # no images (and none in val/ for "a split")
+    if empty == "a split":
+        shutil.rmtree(root / "train")
+        (root / "train").mkdir()
+    result = subprocess.run([sys.executable, "resnet_cifar100.py",
+                             *resnet50_args(root, tmp_path / "out")], cwd=ROOT,
+                            env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert str(root) in result.stderr and "every class needs images" in result.stderr
+
+
 def test_missing_image_folder_is_one_clear_line(tmp_path):
     result = subprocess.run([sys.executable, "resnet_cifar100.py",
                              *resnet50_args(tmp_path / "nowhere", tmp_path / "out")], cwd=ROOT,
