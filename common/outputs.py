@@ -24,20 +24,26 @@ COLUMNS = ["epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr",
 
 
 class RunFolder:
-    """--out of a training run; only the main rank writes.  Claimed at once (`claim`), so a
-    second run into the same folder stops before it trains."""
+    """--out of a training run; only the main rank writes.  Claimed at once (created, proved
+    writable, locked), so a second run into the same folder stops before it trains."""
 
     def __init__(self, args, proc, target=None):
         self.args, self.proc, self.target = args, proc, target
         self.tensorboard = None  # --tensorboard's writer, made when the first row is written
-        if proc.is_main and not args.evaluate:
-            claim(args.out)
+        if proc.is_main and not args.evaluate:  # before any training time is spent
+            prepare_out_dir(args.out)
+            lock_out_dir(args.out)
 
-    def write_config(self, **extra):
-        if self.proc.is_main:
+    def write_config(self, resumed_after_epoch, **extra):
+        """config.json, unless the run in --out has all its --epochs: then it stays its record."""
+        if resumed_after_epoch >= self.args.epochs:
+            self.proc.log(f"{self.args.out} holds {resumed_after_epoch} epochs (--epochs "
+                          f"{self.args.epochs}): nothing to train; a larger --epochs goes on")
+        elif self.proc.is_main:
             write_config(self.args.out, self.args, self.proc.device, script=self.proc.script,
                          arch=self.args.arch, world_size=self.proc.world_size,
-                         precision=self.proc.precision, **extra)
+                         precision=self.proc.precision, resumed_after_epoch=resumed_after_epoch,
+                         **extra)
 
     def write(self, rows):
         """The epochs so far: metrics.csv and curve.png rewritten whole, the last row to tb/."""
@@ -51,12 +57,6 @@ class RunFolder:
             self.tensorboard.add_row(rows[-1])
         write_metrics(self.args.out, rows)
         plot_curve(self.args.out, rows, self.proc.script, self.target)
-
-
-def claim(out):
-    """Create --out, prove it writable and lock it, before any training time is spent."""
-    prepare_out_dir(out)
-    lock_out_dir(out)
 
 
 def environment(device):

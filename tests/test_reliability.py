@@ -527,6 +527,20 @@ def test_checkpoint_of_another_script_or_architecture(finished_run, tmp_path, ci
     assert digest(out) == before
 
 
+@pytest.mark.parametrize("epochs", ["1", "2"])
+def test_a_finished_run_started_again_keeps_its_record(finished_run, tmp_path, cifar_dir,
+                                                       epochs):
+    """A job restarted after it finished (or run with fewer --epochs than it holds) trains
+    nothing, exits 0, and leaves config.json, metrics.csv and the checkpoint as they were."""
+    out = copy_of(finished_run, tmp_path)
+    before = digest(out)
+    args = cmd("resnet_cifar100.py", cifar_dir, out)
+    result = run(args[:args.index("--epochs") + 1] + [epochs])
+    assert result.returncode == 0, result.stderr
+    assert "holds 2 epochs" in result.stdout and "nothing to train" in result.stdout
+    assert digest(out) == before
+
+
 def test_unwritable_out_dir(tmp_path, cifar_dir):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
