@@ -584,7 +584,8 @@ def parse_args(argv=None):
     parser = flags.make_parser(__doc__, SCRIPT, RECIPE, dataset="cifar100", arch="hw4")
     flags.add_distributed_flags(parser)
     g = parser.add_argument_group("async SGD")
-    g.add_argument("--straggler-delay", type=flags.non_negative_float, default=0.0, metavar="SECONDS",
+    g.add_argument("--straggler-delay", type=flags.non_negative_float, default=0.0,
+                   metavar="SECONDS",
                    help="make worker 1 sleep this long after each step (shows staleness)")
     g.add_argument("--dc-lambda", type=float, default=DC_LAMBDA, metavar="LAMBDA",
                    help="delay compensation's strength, lambda in DC-ASGD's g + lambda g*g*"

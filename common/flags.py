@@ -100,7 +100,8 @@ def make_parser(description, script, recipe, *, dataset, arch):
                    help="use only N training samples, every class alike (a seeded subset)")
     d.add_argument("--test-limit", type=positive_int, metavar="N",
                    help="use only N test samples, every class alike (a seeded subset)")
-    d.add_argument("--workers", type=non_negative_int, default=min(8, len(os.sched_getaffinity(0))),
+    d.add_argument("--workers", type=non_negative_int,
+                   default=min(8, len(os.sched_getaffinity(0))),
                    help="processes decoding image files (TinyImageNet, imagefolder)")
 
     w = p.add_argument_group("workload")
