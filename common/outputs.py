@@ -181,11 +181,12 @@ def prepare_out_dir(out):
     """Create --out and prove it writable before any training time is spent.  Folders made here
     are removed at exit if still empty: a run that fails before writing anything leaves none."""
     made, path = [], os.path.abspath(out)
-    while not os.path.exists(path):
-        made, path = made + [path], os.path.dirname(path)
+    while not os.path.exists(path):  # the folders makedirs will create, deepest first
+        made.append(path)
+        path = os.path.dirname(path)
     try:
         os.makedirs(out, exist_ok=True)
-        atexit.register(remove_empty, made)  # runs after _release_lock: atexit is last-in first-out
+        atexit.register(remove_empty, made)  # after _release_lock: atexit runs last-in first-out
         probe = os.path.join(out, f".write-test.{os.getpid()}")
         with open(probe, "w"):
             pass
