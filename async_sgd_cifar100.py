@@ -39,9 +39,11 @@ after its step, the parameters move P / N of the way back to the reply its worke
 stale only. On a quadratic (bench/stability.py) this removes the delayed feedback's
 amplification of the other workers' noise in sharp directions. With 4 workers, whose
 gradients are nearly all 2-4 updates late (metrics.csv's `pulled`: 99% of the updates), it
-gained 2.1 points on average over no pull (3 seeds); pulling 2 workers' gradients, nearly all
-one update late, cost 4.4 points (2 seeds), so the gate leaves those alone (BENCHMARKS.md,
-"Only the gradients two or more updates stale pulled", "What the gate leaves to pull").
+gained 1.1 points over no pull (3 seeds: +2.15, +4.15, -2.95). 2 workers' gradients are nearly
+all one update late, which the extrapolated reply covers; pulling those too was level
+(--pull-from 1: -0.10 +- 0.47 points, twenty seeds), so the gate leaves them alone
+(BENCHMARKS.md, "Only the gradients two or more updates stale pulled", "Two workers on an EPYC
+with AVX-512 BF16, twenty seeds").
 --pull-centered (off) measures that gap from where the reply's forecast puts the parameters by
 the gradient's return, the reply plus K - s updates along the mean buffer (s: its staleness),
 so that the pull's expected move stays zero when --ahead K is not N - 1 (BENCHMARKS.md, "Twice

@@ -11,13 +11,13 @@ transforms crop and flip each sample: random-resized crop + flip for training, r
 """
 import os
 import pickle
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .process import UserError
+from .process import UserError, make_folders, remove_empty
 
 CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
 TINY_MEAN, TINY_STD = (0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821)
@@ -156,9 +156,8 @@ def download_cifar100(data_dir):
 def _download_errors(name, url, data_dir, expected):
     """A failed download (no network, a proxy, a bad checksum) as one line that says how to put
     the data set in place by hand, instead of urllib's traceback."""
-    made = not os.path.isdir(data_dir)
     try:
-        os.makedirs(data_dir, exist_ok=True)
+        made = make_folders(data_dir)
     except OSError as exc:  # not a network problem: say so, and what to change
         why = "a file is there" if os.path.isfile(data_dir) else exc.strerror
         raise UserError(f"--data-dir {data_dir}: cannot make the folder to download into "
@@ -166,9 +165,7 @@ def _download_errors(name, url, data_dir, expected):
     try:
         yield
     except (OSError, RuntimeError) as exc:  # URLError and timeouts are OSErrors
-        if made:  # leave no empty folder behind
-            with suppress(OSError):
-                os.rmdir(data_dir)
+        remove_empty(made)  # leave no empty folder behind
         reason = (getattr(exc, "reason", None) or getattr(exc, "strerror", None) or str(exc)
                   or type(exc).__name__)
         raise UserError(f"--download: could not fetch {name} from {url} ({reason}); on a machine "

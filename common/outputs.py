@@ -17,7 +17,7 @@ import sys
 import torch
 
 from .checkpoint import atomic_write
-from .process import UserError
+from .process import UserError, make_folders, remove_empty
 
 COLUMNS = ["epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr",
            "epoch_seconds", "elapsed_seconds", "images_per_s"]
@@ -180,12 +180,8 @@ class TensorBoardLog:
 def prepare_out_dir(out):
     """Create --out and prove it writable before any training time is spent.  Folders made here
     are removed at exit if still empty: a run that fails before writing anything leaves none."""
-    made, path = [], os.path.abspath(out)
-    while not os.path.exists(path):  # the folders makedirs will create, deepest first
-        made.append(path)
-        path = os.path.dirname(path)
     try:
-        os.makedirs(out, exist_ok=True)
+        made = make_folders(out)
         atexit.register(remove_empty, made)  # after _release_lock: atexit runs last-in first-out
         probe = os.path.join(out, f".write-test.{os.getpid()}")
         with open(probe, "w"):
@@ -194,13 +190,6 @@ def prepare_out_dir(out):
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write there ({exc.strerror}); "
                         "choose a writable folder") from None
-
-
-def remove_empty(folders):
-    """os.rmdir each of `folders` (deepest first) until one is not empty."""
-    with contextlib.suppress(OSError):
-        for folder in folders:
-            os.rmdir(folder)
 
 
 LOCK_FILE = ".lock"

@@ -1,4 +1,5 @@
-"""This process: its device and precision, its seeds, how signals stop it, and its exit status.
+"""This process: its device and precision, its seeds, how signals stop it, its exit status, and
+the folders it made (removed again if it fails before writing into them).
 
 Over 250 lines because signals need a watcher thread (`StopRequest`): a process blocked in C++
 (init_process_group waiting for ranks that never come) does not run Python signal handlers.
@@ -13,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -175,6 +176,31 @@ class StopRequest:
             pass
         os.write(self._stderr, (line.rstrip("\n") + "\n").encode())
         os._exit(code)
+
+
+# ---------------------------------------------------------------- the folders it made
+
+def make_folders(path):
+    """os.makedirs(path); the folders it created, deepest first (none if `path` existed), so
+    that a run that fails before writing into them can take them away again (remove_empty).
+    If making them fails part of the way, those made so far are taken away before it raises."""
+    made, folder = [], os.path.abspath(path)
+    while not os.path.exists(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        remove_empty([f for f in made if os.path.isdir(f)])  # the deepest ones were not made
+        raise
+    return made
+
+
+def remove_empty(folders):
+    """os.rmdir each of `folders` (deepest first) until one is not empty."""
+    with suppress(OSError):
+        for folder in folders:
+            os.rmdir(folder)
 
 
 # ------------------------------------------------------------- device, precision and seeds

@@ -442,11 +442,12 @@ def test_download_without_network_is_one_line_saying_how_to_place_it(tmp_path, s
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens: as good as no network
     proxies = dict(http_proxy=closed, https_proxy=closed, HTTP_PROXY=closed, HTTPS_PROXY=closed,
                    no_proxy="", NO_PROXY="")
-    result = run(cmd(script, tmp_path / "data", tmp_path / "out", "--download"), **proxies)
+    data_dir, out = tmp_path / "new" / "data", tmp_path / "runs" / "out"
+    result = run(cmd(script, data_dir, out, "--download"), **proxies)
     assert result.returncode == 2
-    one_error_line(result, f"could not fetch {name}", "unpack it into", str(tmp_path / "data"),
+    one_error_line(result, f"could not fetch {name}", "unpack it into", str(data_dir),
                    "without --download")
-    assert not (tmp_path / "out").exists()  # no empty run folder left behind
+    assert os.listdir(tmp_path) == []  # no empty data or run folder left, nor their parents
 
 
 @pytest.mark.parametrize("script", ["resnet_cifar100.py", "resnet_tinyimagenet.py"])

@@ -244,6 +244,16 @@ def test_failed_start_keeps_a_folder_it_did_not_create(tmp_path):
     assert out.is_dir() and os.listdir(out) == []  # a/b made by the run: gone; mine: kept
 
 
+def test_an_out_that_cannot_be_made_leaves_none_of_its_parents(tmp_path):
+    """makedirs fails part of the way (a name too long for the file system): the folders it
+    had made above that name are taken away, as for any failed start."""
+    out = tmp_path / "runs" / "a" / ("x" * 300)
+    proc = run_script("resnet_cifar100.py", "--data-dir", tmp_path, "--out", out, "--epochs", 1,
+                      *SMALL, cwd=tmp_path)
+    one_error_line(proc, f"--out {out}: cannot write there", "choose a writable folder")
+    assert os.listdir(tmp_path) == []
+
+
 def _bad_weights(path, kind):
     if kind == "wrong_keys":
         torch.save({"features.0.weight": torch.zeros(3, 3)}, path)
