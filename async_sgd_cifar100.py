@@ -602,7 +602,7 @@ def parse_args(argv=None):
                    help="each update also moves the parameters P / N of the way back to the "
                         "ones its worker computed the gradient on (the head excepted under "
                         "--fresh-head), which damps the other workers' moves that the reply "
-                        "did not foresee (default %(default)g; 0: off; 0.4 measured slower)")
+                        "did not foresee (default %(default)g; 0: off; 0.3 and 0.4 measured level)")
     g.add_argument("--pull-from", type=int, default=PULL_FROM, metavar="S",
                    help="pull only the gradients at least S updates stale (default "
                         "%(default)d: not those one update late, the most with 2 workers)")
