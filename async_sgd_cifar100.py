@@ -64,9 +64,15 @@ the current parameters, with everything else as above; it measures what stalenes
 
 The server evaluates the test set once per epoch-equivalent of updates (training samples /
 global batch), so the curve has a point per epoch.  Each worker announces when its epochs are
-done; when all have, the server writes its outputs and releases them.
+done; when all have, the server writes its outputs and releases them.  So a worker that stays
+slower sets the run's length, as in sync SGD: it still has all of its shard to train on.
+--share-work ends the run after its epochs' worth of updates instead, whichever workers made
+them: each worker goes on through its shard, epoch after epoch, until the server replies
+FINISHED (once the updates applied and those being computed make the total), so a faster
+worker makes more of the updates and a slower one's shard is trained on less often.
 """
 import argparse
+import itertools
 import math
 import signal
 import time
@@ -95,11 +101,12 @@ RECIPE = dict(epochs=40, batch_size=128, lr=0.1, momentum=0.9, weight_decay=5e-4
 # The messages, one flat float32 tensor each (one isend / irecv moves each):
 #   worker -> server  [kind, samples, correct, loss sum | gradient | BatchNorm buffers
 #                      | the head's input features and labels (--fresh-head)]
-#   server -> worker  [status | parameters]     status: CONTINUE, or the exit status to stop with
+#   server -> worker  [status | parameters]     status: CONTINUE; FINISHED (--share-work: the
+#                                               run's updates are made); or an exit status
 #   and at the end, server -> worker [status]   releases a worker that has sent DONE
 GRADIENT, DONE, STOPPING = 0.0, 1.0, 2.0
 HEADER = 4
-CONTINUE = 0.0
+CONTINUE, FINISHED = 0.0, -1.0
 DC_LAMBDA = 0.0  # delay compensation: off (BENCHMARKS.md, "Async SGD under staleness")
 PULL = 0.2  # --pull: BENCHMARKS.md, "Only the gradients two or more updates stale pulled"
 PULL_FROM = 2  # --pull-from: only gradients 2 or more updates stale are pulled
@@ -163,10 +170,11 @@ def _cat_into(tensors, out):
 
 # ----------------------------------------------------------------------------------- worker
 
-def work(model, train_loader, args, proc, position):
+def work(model, train_loader, args, proc, position, computes=True):
     """Compute gradients on this worker's shard; exchange each with the server.  `position`:
     how many of this worker's batches the server had applied, over all epochs, when a resumed
-    run's checkpoint was written (0 for a new run): it starts after them."""
+    run's checkpoint was written (0 for a new run): it starts after them.  `computes`: False
+    for a worker with no update left to make (a --share-work run resumed near its end)."""
     layout = Layout(model, train_loader.batch_size if args.fresh_head else 0)
     message, reply = torch.zeros(layout.message_size), torch.zeros(layout.reply_size)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
@@ -174,39 +182,51 @@ def work(model, train_loader, args, proc, position):
     if args.fresh_head:
         model.fc.register_forward_pre_hook(lambda module, inputs: head_input.update(x=inputs[0]))
     sent = 0
+    model.train()
+    for images, labels in shard_batches(train_loader, args, proc, position, computes):
+        with proc.autocast():
+            output = model(images)
+            loss = criterion(output, labels)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        message[:HEADER] = torch.tensor([GRADIENT, labels.numel(),
+                                         (output.argmax(1) == labels).sum().item(),
+                                         loss.item() * labels.numel()])
+        layout.pack_gradient(message, head_input.get("x"), labels)
+        answer = dist.irecv(reply, src=0)  # the server's reply ...
+        dist.isend(message, dst=0).wait()  # ... to this gradient
+        answer.wait()
+        sent += 1
+        if reply[0].item() == FINISHED:  # --share-work: the run's updates are all made
+            break
+        if reply[0].item() != CONTINUE:  # the server says stop, with this exit status
+            raise stop_error(int(reply[0].item()), proc.rank)
+        layout.load_parameters(reply[1:])  # continue from the server's parameters
+        if proc.stop.signum:  # this worker was asked to stop: tell the server
+            message[0] = STOPPING
+            dist.isend(message, dst=0).wait()
+            raise Interrupted(f"worker {proc.rank}: stopped by {proc.stop.name}; the "
+                              "server writes the checkpoint", proc.stop.signum)
+        if args.straggler_delay and proc.rank == 1:
+            time.sleep(args.straggler_delay)
+    message[:HEADER] = torch.tensor([DONE, sent, 0, 0])
+    dist.isend(message, dst=0).wait()
+
+
+def shard_batches(train_loader, args, proc, position, computes=True):
+    """This worker's batches after the first `position`: its shard, in a new order every epoch,
+    for --epochs epochs; with --share-work on past them, for as long as the server wants
+    gradients (a faster worker makes more of the run's updates).  Nothing if not `computes`."""
+    if not computes:
+        return
     first_epoch, first_step = divmod(position, len(train_loader))
-    for epoch in range(first_epoch, args.epochs):
+    epochs = itertools.count(first_epoch) if args.share_work else range(first_epoch, args.epochs)
+    for epoch in epochs:
         start = first_step if epoch == first_epoch else 0
         train_loader.set_epoch(epoch)  # a new shuffle (and crops and flips) every epoch
         # dropout masks (seeded as sync SGD's resumed epoch seeds them)
         torch.manual_seed(training.epoch_seed(args.seed, epoch, proc.rank) + start)
-        model.train()
-        for images, labels in train_loader.batches(start):
-            with proc.autocast():
-                output = model(images)
-                loss = criterion(output, labels)
-            model.zero_grad(set_to_none=True)
-            loss.backward()
-            message[:HEADER] = torch.tensor([GRADIENT, labels.numel(),
-                                             (output.argmax(1) == labels).sum().item(),
-                                             loss.item() * labels.numel()])
-            layout.pack_gradient(message, head_input.get("x"), labels)
-            answer = dist.irecv(reply, src=0)  # the server's reply ...
-            dist.isend(message, dst=0).wait()  # ... to this gradient
-            answer.wait()
-            sent += 1
-            if reply[0].item() != CONTINUE:  # the server says stop, with this exit status
-                raise stop_error(int(reply[0].item()), proc.rank)
-            layout.load_parameters(reply[1:])  # continue from the server's parameters
-            if proc.stop.signum:  # this worker was asked to stop: tell the server
-                message[0] = STOPPING
-                dist.isend(message, dst=0).wait()
-                raise Interrupted(f"worker {proc.rank}: stopped by {proc.stop.name}; the "
-                                  "server writes the checkpoint", proc.stop.signum)
-            if args.straggler_delay and proc.rank == 1:
-                time.sleep(args.straggler_delay)
-    message[:HEADER] = torch.tensor([DONE, sent, 0, 0])
-    dist.isend(message, dst=0).wait()
+        yield from train_loader.batches(start)
 
 
 def head_gradient(features, labels, weight, bias, label_smoothing):
@@ -220,17 +240,20 @@ def head_gradient(features, labels, weight, bias, label_smoothing):
         return torch.autograd.grad(loss, (weight, bias))
 
 
-def resume_positions(state, n_workers, updates_per_epoch):
+def resume_positions(state, n_workers, updates_per_epoch, args):
     """Where each worker resumes in its stream of batches (epochs x batches per worker +
     step): after the batches whose gradients the server had applied when it wrote the
     checkpoint, so that a run stopped inside an epoch trains each batch of it once.  A
-    checkpoint without them (or from a run with another number of workers or batches) resumes
-    at the start of the interrupted epoch, the updates made inside it kept in the parameters."""
+    checkpoint without them (or from a run with another number of workers or batches, or from
+    a --share-work run whose fast worker went past the --epochs of its shard that a run without
+    it stops at) resumes at the start of the interrupted epoch, the updates made inside it kept
+    in the parameters."""
     batches = updates_per_epoch // n_workers
     saved = state.extra.get("positions")
     if (saved is not None and len(saved) == n_workers
             and state.extra.get("batches_per_worker") == batches
-            and sum(saved) == state.extra.get("updates")):
+            and sum(saved) == state.extra.get("updates")
+            and (args.share_work or max(saved) <= args.epochs * batches)):
         return [int(p) for p in saved]
     return [state.epoch * batches] * n_workers
 
@@ -286,10 +309,16 @@ class Server:
         self.v_total = (torch.stack(list(self.v.values())).sum(0)
                         if self.ahead or args.pull_centered else None)
         # each worker's place in its stream of batches; the updates done are their sum
-        self.position = dict(zip(self.v, resume_positions(state, n_workers, updates_per_epoch)))
+        self.position = dict(zip(self.v, resume_positions(state, n_workers, updates_per_epoch,
+                                                           args)))
         self.version = sum(self.position.values())
         self.workers = list(self.v)
         self.batches = updates_per_epoch // n_workers  # each worker's per epoch
+        # --share-work: the run makes its --epochs x updates_per_epoch updates, whichever
+        # workers make them; `computing`: the workers computing a gradient it will apply (at
+        # the start, as many as there are updates left: the workers' own rule in main)
+        self.total = args.epochs * updates_per_epoch
+        self.computing = {w for w in self.workers if w - 1 < self.total - self.version}
         done = self.version % updates_per_epoch  # inside the epoch a stopped run resumes
         if done:
             proc.log(f"epoch {self.version // updates_per_epoch + 1} resumes after {done} of its "
@@ -391,6 +420,16 @@ class Server:
         gradient[layout.head_weight:layout.head_weight + weight.numel()].copy_(weight.reshape(-1))
         gradient[layout.head_bias:layout.head_bias + bias.numel()].copy_(bias)
 
+    def go_on(self, worker):
+        """The status to reply to `worker` with after its gradient: CONTINUE; with --share-work,
+        FINISHED once the updates applied and those being computed make the run's total, so
+        that every gradient computed is applied and the run makes exactly its updates."""
+        if self.args.share_work:
+            if self.version + len(self.computing) >= self.total:
+                return FINISHED
+            self.computing.add(worker)
+        return CONTINUE
+
     def reply(self, worker, status):
         """Send `worker` the parameters to compute its next gradient on: theta, extrapolated
         over the --ahead updates expected before its gradient comes back."""
@@ -425,7 +464,7 @@ class Server:
                     active.discard(worker)
                     self.send(worker, failure.exit_code)
                     continue
-                failure = self.send(worker, CONTINUE)
+                failure = self.send(worker, self.go_on(worker))
                 if failure is not None:
                     break
                 continue
@@ -441,6 +480,7 @@ class Server:
                 break
             begin = time.perf_counter()
             kind = message[0].item()
+            self.computing.discard(worker)  # its gradient is here (or it is done)
             if kind == DONE:
                 finished[worker] = int(message[1].item())
                 active.discard(worker)
@@ -455,7 +495,7 @@ class Server:
             if self.args.in_turn:  # its reply waits until no other worker computes
                 waiting.append(worker)
             else:
-                failure = self.send(worker, CONTINUE)
+                failure = self.send(worker, self.go_on(worker))
                 if failure is not None:
                     break
             self.last_update = time.perf_counter()
@@ -589,6 +629,11 @@ def parse_args(argv=None):
     g.add_argument("--straggler-delay", type=flags.non_negative_float, default=0.0,
                    metavar="SECONDS",
                    help="make worker 1 sleep this long after each step (shows staleness)")
+    g.add_argument("--share-work", action="store_true",
+                   help="end the run after its --epochs x updates-per-epoch updates, whichever "
+                        "workers made them: a slower worker makes fewer, the others more, so it "
+                        "does not set the run's length (its shard is then trained on less "
+                        "often). Default: every worker trains on all of its shard every epoch")
     g.add_argument("--dc-lambda", type=float, default=DC_LAMBDA, metavar="LAMBDA",
                    help="delay compensation's strength, lambda in DC-ASGD's g + lambda g*g*"
                         "(theta - theta_sent) / sqrt(mean g^2) (default %(default)g: off; 2 is "
@@ -684,8 +729,11 @@ def main(argv=None):
             comm.finish()
         elif not args.evaluate:
             try:
-                position = resume_positions(state, n_workers, updates_per_epoch)[comm.rank - 1]
-                work(model, train_loader, args, proc, position)
+                positions = resume_positions(state, n_workers, updates_per_epoch, args)
+                # --share-work: as many workers start as there are updates left (Server.go_on)
+                left = args.epochs * updates_per_epoch - sum(positions)
+                work(model, train_loader, args, proc, positions[comm.rank - 1],
+                     computes=not args.share_work or comm.rank - 1 < left)
             except RuntimeError as exc:
                 if not distributed.is_peer_failure(exc):
                     raise

@@ -15,10 +15,15 @@ worker keep that below 17 % / 10 %; over a real CIFAR-100 epoch it vanishes.
 At the script's default batch of 128 a worker's step takes about a second on one CPU core, so
 the server is nearly idle; a run at a small batch (more updates per second for the same server
 work per update) shows how far that margin goes.
+
+Then a slow worker (`slow_worker`): 2 workers, one of them half as fast, by default (it still
+trains on all of its shard, so it sets the run's length) and with --share-work (the run ends
+after its updates, whichever workers made them), against the same run at equal speeds.
 """
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,16 +43,17 @@ def mpirun():
     return found
 
 
-def run_one(workers, batch, updates_per_worker, timeout):
+def run_one(workers, batch, updates_per_worker, timeout, extra=()):
     """One run of async_sgd_cifar100.py, each worker computing on `batch` samples (the script's
-    --batch-size is the global batch: workers x batch); returns its last metrics row and the
-    wall time."""
+    --batch-size is the global batch: workers x batch); returns its last metrics row (with
+    `elapsed_seconds`, the training time of the whole run, and `applied`, the gradients of each
+    worker the server applied), the wall time and the number of rows."""
     cmd = [mpirun(), "-np", str(workers + 1), "--oversubscribe", "--bind-to", "none",
            "-x", "OMP_NUM_THREADS=1", "-x", "MKL_NUM_THREADS=1", "-x", "PYTHONPATH",
            sys.executable, os.path.join(REPO_ROOT, "async_sgd_cifar100.py"),
            "--dummy", "--device", "cpu", "--epochs", "2", "--batch-size", str(workers * batch),
            "--train-limit", str(workers * batch * updates_per_worker), "--test-limit", "128",
-           "--warmup-epochs", "0", "--fresh"]
+           "--warmup-epochs", "0", "--fresh", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=REPO_ROOT)
     if os.geteuid() == 0:  # Open MPI refuses root unless told
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -68,6 +74,8 @@ def run_one(workers, batch, updates_per_worker, timeout):
         except (OSError, ValueError):
             config = {}
     last = {k: float(v) for k, v in rows[-1].items()}
+    last["applied"] = [int(n) for n in re.findall(r"worker \d+: \d+ gradients sent, (\d+) "
+                                                  r"applied", proc.stdout)]
     last["precision"] = config.get("precision", "?")
     last["threads"] = (config.get("environment") or {}).get("threads")
     return last, wall, len(rows)
@@ -118,7 +126,40 @@ def run(quick):
            "skipped_time_budget": skipped}
     out["goal_met"] = out["max_server_busy"] < 0.5
     print_result(out)
+    if not out_of_time(60):
+        out["slow_worker"] = slow_worker(quick)
     return out
+
+
+def slow_worker(quick):
+    """2 workers, worker 1 made half as fast (--straggler-delay: one step's time of sleep after
+    each step): how long the run's training takes, against the same run at equal speeds, by
+    default (each worker trains on all of its shard, so the slow one sets the run's length, as
+    in sync SGD) and with --share-work (the run ends after its updates, whoever made them; at
+    rates 1 and 1/2 ideally 2 / 1.5 = 1.33 times as long)."""
+    batch, per_worker = (16, 4) if SMOKE else (128, 6 if quick else 10)
+    log(f"[3] a slow worker: 2 workers, batch {batch}, {per_worker} updates/worker/epoch")
+    equal, _, _ = run_one(2, batch, per_worker, timeout=600)
+    delay = 2.0 / equal["updates_per_s"]  # one worker's step: 2 workers make 2 updates in it
+    runs = [("equal speeds", equal)]
+    for name, extra in (("worker 1 slowed", ()), ("worker 1 slowed, --share-work",
+                                                  ("--share-work",))):
+        last, _, _ = run_one(2, batch, per_worker, timeout=600,
+                             extra=("--straggler-delay", f"{delay:.3f}", *extra))
+        runs.append((name, last))
+    rows = [{"run": name, "training_seconds": r["elapsed_seconds"],
+             "vs_equal": r["elapsed_seconds"] / equal["elapsed_seconds"],
+             "applied": r["applied"], "mean_staleness": r["mean_staleness"],
+             "max_staleness": r["max_staleness"]} for name, r in runs]
+    log(table(f"A slow worker (2 workers, batch {batch}, {2 * per_worker} updates per "
+              f"epoch-equivalent, 2 of them; worker 1 sleeps {delay:.2f} s, one step, after "
+              "each step)",
+              ["run", "training s", "x equal speeds", "gradients applied (worker 1, 2)",
+               "staleness mean (last epoch)", "max"],
+              [[r["run"], r["training_seconds"], r["vs_equal"],
+                " / ".join(map(str, r["applied"])), r["mean_staleness"],
+                int(r["max_staleness"])] for r in rows]))
+    return {"batch": batch, "updates_per_worker": per_worker, "delay_s": delay, "rows": rows}
 
 
 def print_result(res):

@@ -54,6 +54,8 @@ ASYNC_RESUME = ("tests/test_reliability.py::test_async_sgd_stopped_inside_an_epo
                 "batch_of_it_once")
 ASYNC_IN_TURN = ("tests/test_distributed.py::test_async_sgd_in_turn_computes_every_gradient_on_"
                  "the_current_parameters")
+SHARE_WORK = ("tests/test_distributed.py::test_async_sgd_share_work_lets_the_faster_worker_"
+              "make_more_of_the_updates")
 PULL = BUGS + "test_async_server_pulls_back_towards_where_each_gradient_was_computed"
 PULL_FROM = BUGS + "test_async_server_pulls_only_gradients_stale_by_pull_from_or_more"
 PULL_CENTERED = BUGS + "test_async_server_pull_centered_measures_the_gap_beyond_the_expected_drift"
@@ -253,7 +255,7 @@ MUTANTS = [
            "test shards padded as DistributedSampler pads: some samples count twice"),
     # ---------------------------------------------------------------------- async SGD
     Mutant("async-worker-ignores-server-parameters", "async_sgd_cifar100.py",
-           "            layout.load_parameters(reply[1:])  # continue from the server's "
+           "        layout.load_parameters(reply[1:])  # continue from the server's "
            "parameters\n", "",
            (BUGS + "test_async_worker_computes_on_the_parameters_the_server_sends",),
            "async workers never load the server's parameters: every gradient at the "
@@ -342,8 +344,8 @@ MUTANTS = [
            "with --ahead K = 2 (N - 1) each step is lengthened twice as much as by the "
            "uncentred pull"),
     Mutant("async-resume-redoes-the-epoch", "async_sgd_cifar100.py",
-           "        for images, labels in train_loader.batches(start):\n",
-           "        for images, labels in train_loader.batches(0):\n",
+           "        yield from train_loader.batches(start)\n",
+           "        yield from train_loader.batches(0)\n",
            (ASYNC_RESUME,),
            "a run stopped inside an epoch resumes each worker at the epoch's first batch while "
            "the server counts the updates it had: the batches before the stop are trained "
@@ -360,6 +362,18 @@ MUTANTS = [
            (ASYNC_IN_TURN,),
            "--in-turn releases each held reply at once instead of when no other worker "
            "computes: the no-staleness control of BENCHMARKS.md has stale gradients"),
+    Mutant("async-share-work-forgets-the-gradients-in-flight", "async_sgd_cifar100.py",
+           "if self.version + len(self.computing) >= self.total:",
+           "if self.version >= self.total:",
+           (SHARE_WORK,),
+           "--share-work stops a worker only once the total is applied: the gradients the "
+           "others are computing meanwhile are applied past the run's updates"),
+    Mutant("async-share-work-ends-with-the-shard", "async_sgd_cifar100.py",
+           "epochs = itertools.count(first_epoch) if args.share_work else",
+           "epochs = range(first_epoch, args.epochs) if args.share_work else",
+           (SHARE_WORK,),
+           "with --share-work a worker still stops at the end of its shard's --epochs, so a "
+           "faster worker waits for the slow one as without it"),
     Mutant("bench-partial-in-one-file", "bench/convergence.py",
            "    partial = partial or partial_path()",
            "    partial = partial_path()",

@@ -386,6 +386,26 @@ def test_async_sgd_workers_of_different_speeds_stop_cleanly(cifar_dir, tmp_path)
 
 
 @needs_mpirun
+def test_async_sgd_share_work_lets_the_faster_worker_make_more_of_the_updates(cifar_dir,
+                                                                             tmp_path):
+    """--share-work beside a worker that sleeps 2 s after each step: the run still makes
+    exactly its 8 updates, each gradient sent is applied once (the slow worker's last, still
+    being computed when the fast worker's brought the total in reach, included), and the fast
+    worker makes most of them instead of waiting at the end of its shard for the slow one."""
+    out = tmp_path / "share"
+    log = run([MPIRUN, "-np", "3", sys.executable, "async_sgd_cifar100.py",
+               *tiny_args(cifar_dir, out, "--epochs", "1", "--straggler-delay", "2",
+                          "--share-work")])
+    sent_applied = parse_async_log(log)
+    assert set(sent_applied) == {1, 2}
+    assert all(sent == applied for sent, applied in sent_applied.values())
+    assert sum(applied for _, applied in sent_applied.values()) == 8
+    assert sent_applied[2][1] > 4 > sent_applied[1][1], sent_applied  # not 4 and 4
+    assert [int(r["updates"]) for r in metrics(out)] == [8]
+    assert_outputs(out, 1)
+
+
+@needs_mpirun
 def test_async_sgd_in_turn_computes_every_gradient_on_the_current_parameters(cifar_dir,
                                                                              tmp_path):
     """--in-turn, the no-staleness control of BENCHMARKS.md: the server holds each reply until
