@@ -343,13 +343,15 @@ def worker_pid(torchrun_pid, rank):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
-@pytest.mark.parametrize("script, nproc", [("sync_sgd_cifar100.py", 2),
-                                           ("async_sgd_cifar100.py", 3)])
+@pytest.mark.parametrize("script, nproc, extra", [("sync_sgd_cifar100.py", 2, ()),
+                                                  ("async_sgd_cifar100.py", 3, ()),
+                                                  ("async_sgd_cifar100.py", 3, ("--share-work",))],
+                         ids=["sync", "async", "async-share-work"])
 def test_torchrun_restarts_the_group_after_a_kill_9_and_the_run_resumes(cifar_dir, tmp_path,
-                                                                        script, nproc):
+                                                                        script, nproc, extra):
     out = tmp_path / "out"
     args = cmd(script, cifar_dir, out, "--train-limit", "192", "--batch-size", "8",
-               "--timeout", "20")[1:]
+               "--timeout", "20", *extra)[1:]
     proc = start([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                   "--max-restarts", "2", "--master-port", str(free_port()), *args])
     try:
