@@ -12,6 +12,7 @@
    the same update and the replicas stay identical.
 """
 import functools
+import time
 
 import torch
 import torch.distributed as dist
@@ -114,6 +115,15 @@ def no_average():
     """A world of 1 has nothing to average; DDP averaged during backward."""
 
 
+def slowed(average, seconds):
+    """`average`, after a sleep (--straggler-delay): this rank is late at every step, and with
+    the all_reduce every other rank waits for it."""
+    def late_average():
+        time.sleep(seconds)
+        average()
+    return late_average
+
+
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, SCRIPT, RECIPE, dataset="cifar100", arch="hw4")
     flags.add_distributed_flags(parser)
@@ -126,6 +136,10 @@ def parse_args(argv=None):
                    help="size of all_reduce buckets (DDP's default size; see BENCHMARKS.md)")
     g.add_argument("--sync-bn", action="store_true",
                    help="BatchNorm statistics over the global batch (SyncBatchNorm)")
+    g.add_argument("--straggler-delay", type=flags.non_negative_float, default=0.0,
+                   metavar="SECONDS",
+                   help="make rank 1 sleep this long at each step (a slow rank: every rank "
+                        "waits for it)")
     return parser.parse_args(argv)
 
 
@@ -173,6 +187,8 @@ def main(argv=None):
             average = functools.partial(average_gradients, model, world)
         elif world > 1:
             average = BucketedAllReduce(model, world, args.bucket_mb).wait
+        if args.straggler_delay and comm.rank == 1:
+            average = slowed(average, args.straggler_delay)
         criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
         optimizer = torch.optim.SGD(training.param_groups(model, args.weight_decay), lr=args.lr,
                                     momentum=args.momentum, nesterov=args.momentum > 0, fused=True)

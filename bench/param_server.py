@@ -18,7 +18,8 @@ work per update) shows how far that margin goes.
 
 Then a slow worker (`slow_worker`): 2 workers, one of them half as fast, by default (it still
 trains on all of its shard, so it sets the run's length) and with --share-work (the run ends
-after its updates, whichever workers made them), against the same run at equal speeds.
+after its updates, whichever workers made them), against the same run at equal speeds; and
+sync SGD on 2 ranks, one of them as slow.
 """
 import csv
 import json
@@ -43,14 +44,16 @@ def mpirun():
     return found
 
 
-def run_one(workers, batch, updates_per_worker, timeout, extra=()):
-    """One run of async_sgd_cifar100.py, each worker computing on `batch` samples (the script's
-    --batch-size is the global batch: workers x batch); returns its last metrics row (with
-    `elapsed_seconds`, the training time of the whole run, and `applied`, the gradients of each
-    worker the server applied), the wall time and the number of rows."""
-    cmd = [mpirun(), "-np", str(workers + 1), "--oversubscribe", "--bind-to", "none",
+def run_one(workers, batch, updates_per_worker, timeout, extra=(), script="async_sgd_cifar100.py"):
+    """One run of async_sgd_cifar100.py (or, with `script`, sync_sgd_cifar100.py on `workers`
+    ranks), each worker computing on `batch` samples (the script's --batch-size is the global
+    batch: workers x batch); returns its last metrics row (with `elapsed_seconds`, the training
+    time of the whole run, and `applied`, the gradients of each worker the server applied), the
+    wall time and the number of rows."""
+    processes = workers + 1 if script.startswith("async") else workers
+    cmd = [mpirun(), "-np", str(processes), "--oversubscribe", "--bind-to", "none",
            "-x", "OMP_NUM_THREADS=1", "-x", "MKL_NUM_THREADS=1", "-x", "PYTHONPATH",
-           sys.executable, os.path.join(REPO_ROOT, "async_sgd_cifar100.py"),
+           sys.executable, os.path.join(REPO_ROOT, script),
            "--dummy", "--device", "cpu", "--epochs", "2", "--batch-size", str(workers * batch),
            "--train-limit", str(workers * batch * updates_per_worker), "--test-limit", "128",
            "--warmup-epochs", "0", "--fresh", *extra]
@@ -64,7 +67,7 @@ def run_one(workers, batch, updates_per_worker, timeout, extra=()):
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             tail = (proc.stdout + proc.stderr)[-2000:]
-            raise RuntimeError(f"async_sgd_cifar100.py with {workers} workers failed "
+            raise RuntimeError(f"{script} with {workers} workers failed "
                                f"(exit {proc.returncode}):\n{tail}")
         with open(os.path.join(out, "metrics.csv")) as f:
             rows = list(csv.DictReader(f))
@@ -134,30 +137,35 @@ def run(quick):
 def slow_worker(quick):
     """2 workers, worker 1 made half as fast (--straggler-delay: one step's time of sleep after
     each step): how long the run's training takes, against the same run at equal speeds, by
-    default (each worker trains on all of its shard, so the slow one sets the run's length, as
-    in sync SGD) and with --share-work (the run ends after its updates, whoever made them; at
-    rates 1 and 1/2 ideally 2 / 1.5 = 1.33 times as long)."""
+    default (each worker trains on all of its shard, so the slow one sets the run's length)
+    and with --share-work (the run ends after its updates, whoever made them; at rates 1 and
+    1/2 ideally 2 / 1.5 = 1.33 times as long); and sync SGD on 2 ranks, rank 1 slowed alike
+    (every rank waits for it at every step: ideally 2 times as long)."""
     batch, per_worker = (16, 4) if SMOKE else (128, 6 if quick else 10)
     log(f"[3] a slow worker: 2 workers, batch {batch}, {per_worker} updates/worker/epoch")
     equal, _, _ = run_one(2, batch, per_worker, timeout=600)
     delay = 2.0 / equal["updates_per_s"]  # one worker's step: 2 workers make 2 updates in it
-    runs = [("equal speeds", equal)]
-    for name, extra in (("worker 1 slowed", ()), ("worker 1 slowed, --share-work",
-                                                  ("--share-work",))):
-        last, _, _ = run_one(2, batch, per_worker, timeout=600,
-                             extra=("--straggler-delay", f"{delay:.3f}", *extra))
-        runs.append((name, last))
+    slow = ("--straggler-delay", f"{delay:.3f}")
+    runs = [("async, equal speeds", equal, equal)]
+    for name, extra in (("async, worker 1 slowed", slow),
+                        ("async, worker 1 slowed, --share-work", (*slow, "--share-work"))):
+        runs.append((name, run_one(2, batch, per_worker, 600, extra)[0], equal))
+    sync = "sync_sgd_cifar100.py"
+    sync_equal = run_one(2, batch, per_worker, 600, script=sync)[0]
+    runs += [("sync, equal speeds", sync_equal, sync_equal),
+             ("sync, rank 1 slowed", run_one(2, batch, per_worker, 600, slow, sync)[0],
+              sync_equal)]
     rows = [{"run": name, "training_seconds": r["elapsed_seconds"],
-             "vs_equal": r["elapsed_seconds"] / equal["elapsed_seconds"],
-             "applied": r["applied"], "mean_staleness": r["mean_staleness"],
-             "max_staleness": r["max_staleness"]} for name, r in runs]
+             "vs_equal": r["elapsed_seconds"] / ref["elapsed_seconds"],
+             "applied": r["applied"], "mean_staleness": r.get("mean_staleness", 0.0),
+             "max_staleness": r.get("max_staleness", 0.0)} for name, r, ref in runs]
     log(table(f"A slow worker (2 workers, batch {batch}, {2 * per_worker} updates per "
               f"epoch-equivalent, 2 of them; worker 1 sleeps {delay:.2f} s, one step, after "
               "each step)",
               ["run", "training s", "x equal speeds", "gradients applied (worker 1, 2)",
                "staleness mean (last epoch)", "max"],
               [[r["run"], r["training_seconds"], r["vs_equal"],
-                " / ".join(map(str, r["applied"])), r["mean_staleness"],
+                " / ".join(map(str, r["applied"])) or "-", r["mean_staleness"],
                 int(r["max_staleness"])] for r in rows]))
     return {"batch": batch, "updates_per_worker": per_worker, "delay_s": delay, "rows": rows}
 

@@ -340,6 +340,18 @@ def test_mpijob_launcher_without_master_addr(cifar_dir, tmp_path):
     assert_outputs(out, 1)
 
 
+@needs_mpirun
+def test_sync_sgd_waits_for_a_slow_rank_at_every_step(cifar_dir, tmp_path):
+    """--straggler-delay 1 on rank 1, 4 steps: rank 0 (which times the epoch) cannot finish a
+    step before rank 1's all_reduce, so its epoch holds at least the 3 sleeps after the first
+    all_reduce has brought the two ranks together (a bound from the sleeps, not a speed)."""
+    out = tmp_path / "slow_rank"
+    run([MPIRUN, "-np", "2", sys.executable, "sync_sgd_cifar100.py",
+         *tiny_args(cifar_dir, out, "--epochs", "1", "--straggler-delay", "1")])
+    # 64 samples, global batch 16 over 2 ranks: 4 steps of 8 samples a rank
+    assert float(metrics(out)[0]["epoch_seconds"]) >= 3.0
+
+
 # ------------------------------------------------------------------------- async SGD
 
 def parse_async_log(log):

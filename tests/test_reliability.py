@@ -577,6 +577,7 @@ def test_impossible_flags(tmp_path, cifar_dir, flags, words):
     ("resnet_tinyimagenet", "--workers", "-1"), ("sync_sgd_cifar100", "--timeout", "0"),
     ("sync_sgd_cifar100", "--bucket-mb", "0"), ("async_sgd_cifar100", "--timeout", "inf"),
     ("async_sgd_cifar100", "--straggler-delay", "-1"),
+    ("sync_sgd_cifar100", "--straggler-delay", "-1"),
 ])
 def test_a_flag_out_of_its_range_is_one_line(script, flag, value, capsys):
     """Values torch or the RNGs would refuse with a traceback (dropout 1.5, a seed over 64 bits,
