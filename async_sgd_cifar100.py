@@ -229,6 +229,14 @@ def shard_batches(train_loader, args, proc, position, computes=True):
         yield from train_loader.batches(start)
 
 
+def first_round(positions, total):
+    """With --share-work, the workers that compute a gradient as the run (re)starts, from
+    their `positions`: workers 1, 2, ... as many as the run has updates left of its `total`
+    (all of them unless a resumed run is near its end), so that it makes no more."""
+    left = total - sum(positions)
+    return {w for w in range(1, len(positions) + 1) if w - 1 < left}
+
+
 def head_gradient(features, labels, weight, bias, label_smoothing):
     """The gradient of the training loss with respect to the head's weight and bias alone,
     at these values of them: the head's forward pass (logits = features weight^T + bias, the
@@ -315,10 +323,9 @@ class Server:
         self.workers = list(self.v)
         self.batches = updates_per_epoch // n_workers  # each worker's per epoch
         # --share-work: the run makes its --epochs x updates_per_epoch updates, whichever
-        # workers make them; `computing`: the workers computing a gradient it will apply (at
-        # the start, as many as there are updates left: the workers' own rule in main)
+        # workers make them; `computing`: the workers computing a gradient it will apply
         self.total = args.epochs * updates_per_epoch
-        self.computing = {w for w in self.workers if w - 1 < self.total - self.version}
+        self.computing = first_round(list(self.position.values()), self.total)
         done = self.version % updates_per_epoch  # inside the epoch a stopped run resumes
         if done:
             proc.log(f"epoch {self.version // updates_per_epoch + 1} resumes after {done} of its "
@@ -730,10 +737,9 @@ def main(argv=None):
         elif not args.evaluate:
             try:
                 positions = resume_positions(state, n_workers, updates_per_epoch, args)
-                # --share-work: as many workers start as there are updates left (Server.go_on)
-                left = args.epochs * updates_per_epoch - sum(positions)
-                work(model, train_loader, args, proc, positions[comm.rank - 1],
-                     computes=not args.share_work or comm.rank - 1 < left)
+                computes = not args.share_work or comm.rank in first_round(
+                    positions, args.epochs * updates_per_epoch)
+                work(model, train_loader, args, proc, positions[comm.rank - 1], computes)
             except RuntimeError as exc:
                 if not distributed.is_peer_failure(exc):
                     raise
