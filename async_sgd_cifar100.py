@@ -14,62 +14,33 @@ samples, and N updates, each with the learning rate / N, add up to one step of s
 A gradient is *stale* by the number of updates the server applied between sending that worker
 its parameters and receiving the gradient computed from them: about N - 1, one sync step.
 
-The update rule is torch's Nesterov momentum with one buffer per worker (DANA, Hakimi et al.
-2019): worker i's gradient g moves only its own buffer, v_i <- mu v_i + g, and the parameters
-by torch's Nesterov step, theta <- theta - lr (g + mu v_i) (lr: the update's rate, --lr / N on
-the schedule). With one worker it is torch.optim.SGD(nesterov=True), step for step
-(tests/test_learning.py). The reply looks ahead over the updates in flight: while a worker
-computes, the other workers' K = N - 1 updates (the expected staleness) move theta on, mostly
-along their momentum, by about lr v_j each. So the server replies with theta extrapolated K
-updates along the workers' mean buffer, theta - K lr mean_j(v_j) (--ahead K; 0 replies theta as
-it is), and each gradient is computed about where it will be applied (torch's step looks one
-sync step ahead, as in sync SGD, not over the updates in flight).
-The head (the last layer, fc) is never stale (--fresh-head, on by default): each worker sends
-the features its head saw and their labels with the gradient, and the server replaces the
-head's part of the gradient by the head's gradient at the server's current parameters (a
-forward and backward pass of one small layer). The head is where staleness bites: its
-curvature grows with the squared norm of the max-pooled features (about 29^2 at the start,
-where 256 ReLU channels are max-pooled), and stale head gradients made the training loss climb
-above ln(100) in the warm-up. Measured on the yardstick, the fresh head moves async SGD from
-4.9 to 2.7 points below sync with 4 workers (the extrapolated reply alone: from 5.7 to 4.9),
-from 2.7 to 1.1 with 2 and from 4.2 to 3.0 with 8; BENCHMARKS.md has the figures.
---pull P (0.2 by default) also pulls each update back towards where its gradient was computed:
-after its step, the parameters move P / N of the way back to the reply its worker computed on
-(the head excepted: its gradient is fresh), for gradients at least --pull-from S = 2 updates
-stale only. On a quadratic (bench/stability.py) this removes the delayed feedback's
-amplification of the other workers' noise in sharp directions. With 4 workers, whose
-gradients are nearly all 2-4 updates late (metrics.csv's `pulled`: 99% of the updates), it
-gained 1.1 points over no pull (3 seeds: +2.15, +4.15, -2.95). 2 workers' gradients are nearly
-all one update late, which the extrapolated reply covers; pulling those too was level
-(--pull-from 1: -0.10 +- 0.47 points, twenty seeds), so the gate leaves them alone
-(BENCHMARKS.md, "Only the gradients two or more updates stale pulled", "Two workers on an EPYC
-with AVX-512 BF16, twenty seeds").
---pull-centered (off) measures that gap from where the reply's forecast puts the parameters by
-the gradient's return, the reply plus K - s updates along the mean buffer (s: its staleness),
-so that the pull's expected move stays zero when --ahead K is not N - 1 (BENCHMARKS.md, "Twice
-the extrapolation, the pull measured from the forecast").
---dc-lambda L (off by default) adds delay compensation (DC-ASGD, Zheng et al. 2017) before the
-step: the gradient, computed at the parameters theta_sent its worker was last sent, is moved to
-the current theta along a diagonal curvature estimate, g + L g * g * (theta - theta_sent) /
-sqrt(mean g^2) (mean g^2: a running mean over all workers' gradients). Measured on the
-yardstick it helped with 2 workers and not with 4 or 8 with the reply not extrapolated; on top
-of the default rule it does not help with 2 workers either (0.5 points below it, standard error
-0.5, twenty seeds), and it triples the server's work per update. The slides' rule (one momentum
-buffer, each gradient applied as it comes) diverges on this network with gradients one update
-stale; BENCHMARKS.md ("Async SGD under staleness") has the rules tried and what each scored.
---in-turn is a control, not a way to train: the server holds each reply until no other worker
-computes, so the workers take turns and every gradient (after the first round) is computed on
-the current parameters, with everything else as above; it measures what staleness costs
-(BENCHMARKS.md, "Nothing stale, in the real script").
+The slides' rule (one momentum buffer, each gradient applied as it comes) diverges on this
+network with gradients one update stale. The server's rule, `Server.apply` and `Server.reply`
+(the README's "Async SGD" says why each step is there and what it gained):
 
-The server evaluates the test set once per epoch-equivalent of updates (training samples /
-global batch), so the curve has a point per epoch.  Each worker announces when its epochs are
-done; when all have, the server writes its outputs and releases them.  So a worker that stays
-slower sets the run's length, as in sync SGD: it still has all of its shard to train on.
+1. One Nesterov momentum buffer per worker (DANA, Hakimi et al. 2019): worker i's gradient g
+   moves its own buffer, v_i <- mu v_i + g, and the parameters by torch's Nesterov step,
+   theta <- theta - lr (g + mu v_i), lr being --lr / N on the schedule. With one worker this
+   is torch.optim.SGD(nesterov=True), step for step (tests/test_learning.py).
+2. The reply looks ahead over the updates in flight (--ahead K, N - 1 by default): while a
+   worker computes, the other workers' updates move theta on, mostly along their momentum, so
+   the server replies theta - K lr mean_j(v_j), and each gradient is computed about where it
+   will be applied.
+3. The head (fc) is never stale (--fresh-head; stale head steps made the training loss climb
+   above ln(100) in the warm-up): each worker sends the features its head saw and their
+   labels with the gradient, and the server recomputes the head's gradient at its current
+   parameters (one small layer's passes).
+4. A gradient two or more updates stale is pulled back (--pull P, --pull-from 2): after its
+   step, the parameters move P / N of the way back to the reply its worker computed on.
+5. The model is evaluated and saved once per epoch-equivalent of updates (training samples /
+   global batch), with the BatchNorm statistics averaged over the workers' latest.
+
+Each worker announces when its epochs are done; when all have, the server writes its outputs
+and releases them. So a worker that stays slower sets the run's length, as in sync SGD.
 --share-work ends the run after its epochs' worth of updates instead, whichever workers made
-them: each worker goes on through its shard, epoch after epoch, until the server replies
-FINISHED (once the updates applied and those being computed make the total), so a faster
-worker makes more of the updates and a slower one's shard is trained on less often.
+them: a faster worker makes more of them. --dc-lambda (delay compensation, DC-ASGD),
+--pull-centered and --in-turn (a control with nothing stale) serve the benchmarks
+(BENCHMARKS.md, "Async SGD under staleness").
 """
 import argparse
 import itertools
@@ -381,7 +352,7 @@ class Server:
             message.to(self.theta.device), int(samples))
         if self.args.fresh_head:  # the head's gradient at the current parameters
             self.fresh_head_gradient(gradient, features, labels)
-        if self.args.dc_lambda:  # delay compensation, --dc-lambda (the module docstring)
+        if self.args.dc_lambda:  # delay compensation, --dc-lambda (its --help)
             self.mean_square.mul_(0.95).addcmul_(gradient, gradient, value=0.05)
             moved, root = self.scratch  # preallocated: no 14 MB allocations per update
             torch.sub(self.theta, self.sent[worker], out=moved)  # since it was sent

@@ -16,7 +16,6 @@ and writes two files into --out (default: the first RUNS_DIR):
 
 A folder that is not a run, or a half-written one, is named in one line and skipped.
 """
-import argparse
 import csv
 import json
 import math
@@ -304,12 +303,8 @@ def write_report(runs, skipped, out):
                         "choose a writable folder") from None
 
 
-class ReportHelp(argparse.RawDescriptionHelpFormatter, HelpFormatter):
-    """The docstring's layout kept as written; the flags' defaults shown."""
-
-
 def parse_args(argv=None):
-    parser = Parser(description=__doc__, formatter_class=ReportHelp)
+    parser = Parser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("runs_dirs", nargs="*", metavar="RUNS_DIR",
                         help="folders searched, at any depth, for run folders (default: runs)")
     parser.add_argument("--out", help="folder that gets report.md and report.png "

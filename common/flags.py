@@ -46,9 +46,10 @@ def fraction(text):
     return value
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show defaults, except the uninformative None / False of optional flags (by identity:
-    a default of 0 is shown)."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description (a script's docstring) laid out as written: its command lines and
+    numbered steps, not one reflowed paragraph; each flag's default shown, except the
+    uninformative None / False of optional flags (by identity: a default of 0 is shown)."""
 
     def _get_help_string(self, action):
         if action.default is None or action.default is False:

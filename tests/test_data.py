@@ -484,3 +484,21 @@ def test_help_shows_a_default_of_zero_and_hides_none_and_false():
     assert re.search(r"--lr LR .*?\(default: 0\.1\)", text)
     dummy = re.search(r"--dummy (.*?) --train-limit", text).group(1)
     assert "default" not in dummy  # False: not shown
+
+
+@pytest.mark.parametrize("script", ["resnet_cifar100", "resnet_tinyimagenet", "pretrained_cifar100",
+                                    "sync_sgd_cifar100", "async_sgd_cifar100", "report"])
+def test_help_lays_out_the_docstring_as_written(script, capsys):
+    """`--help` opens with the script's docstring as written: its command lines stay one per
+    line and its indented blocks keep their indent (argparse's default reflows them into one
+    unreadable paragraph)."""
+    import importlib
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as exit_:
+        module.parse_args(["--help"])
+    assert exit_.value.code == 0
+    shown = capsys.readouterr().out.splitlines()
+    indented = [line for line in module.__doc__.splitlines() if line.startswith("    ")]
+    assert indented, f"{script}: its docstring shows no command line"
+    for line in indented:
+        assert line.rstrip() in shown, f"{script} --help lost the line {line.strip()!r}"
