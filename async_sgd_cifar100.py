@@ -30,8 +30,8 @@ network with gradients one update stale. The server's rule, `Server.apply` and `
    above ln(100) in the warm-up): each worker sends the features its head saw and their
    labels with the gradient, and the server recomputes the head's gradient at its current
    parameters (one small layer's passes).
-4. A gradient two or more updates stale is pulled back (--pull P, --pull-from 2): after its
-   step, the parameters move P / N of the way back to the reply its worker computed on.
+4. A gradient two or more updates stale (--pull-from 2) is pulled back: after its step, the
+   parameters move P / N of the way back to the reply its worker computed on (--pull P, 0.2).
 5. The model is evaluated and saved once per epoch-equivalent of updates (training samples /
    global batch), with the BatchNorm statistics averaged over the workers' latest.
 

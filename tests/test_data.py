@@ -1,4 +1,5 @@
 """Data loading: CIFAR-100 pickles, the TinyImageNet tree, DeviceLoader, --dummy, limits."""
+import importlib
 import json
 import os
 import pickle
@@ -492,7 +493,6 @@ def test_help_lays_out_the_docstring_as_written(script, capsys):
     """`--help` opens with the script's docstring as written: its command lines stay one per
     line and its indented blocks keep their indent (argparse's default reflows them into one
     unreadable paragraph)."""
-    import importlib
     module = importlib.import_module(script)
     with pytest.raises(SystemExit) as exit_:
         module.parse_args(["--help"])
