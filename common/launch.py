@@ -16,6 +16,7 @@ Launchers recognised (first match wins):
 import fcntl
 import ipaddress
 import os
+import random
 import socket
 import struct
 from dataclasses import dataclass
@@ -238,7 +239,32 @@ def check_torchrun_master(launch, env=None):
                         "(and --rdzv-conf is_host=1 on the node of --rdzv-endpoint)")
 
 
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def ephemeral_port_range():
+    """The ports the kernel hands out to outgoing connections and to binds on port 0."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(lowest=20000):
+    """A TCP port that nothing listens on, for a rendezvous that binds it a moment later.
+
+    Not one from the kernel's ephemeral range: any socket's connect or bind to port 0 may take
+    such a port in that moment (gloo opens many), and the rendezvous then fails with
+    EADDRINUSE.  Below the range only another listener can take it.  Drawn from the operating
+    system's randomness, not `random`'s, which the scripts seed alike in every job."""
+    low, _ = ephemeral_port_range()
+    draw = random.SystemRandom()
+    candidates = ([draw.randrange(lowest, low) for _ in range(64)] if low - lowest >= 1000
+                  else [])
+    for port in candidates + [0]:  # 0: the kernel's choice, where no range is left below
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port")  # not reached: port 0 always binds

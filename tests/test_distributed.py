@@ -17,7 +17,8 @@ from torch import nn
 
 from common import data
 from common.distributed import Comm, import_before_init, pack_state, unpack_state
-from common.launch import Launch, check_torchrun_master, detect_launch, free_port
+from common.launch import (Launch, check_torchrun_master, detect_launch, ephemeral_port_range,
+                           free_port)
 from common.loader import DeviceLoader
 from common.process import UserError
 from helpers import ROOT, child_env
@@ -257,6 +258,24 @@ def test_no_launcher_is_a_world_of_one():
     # srun's single-task batch shell is not a distributed launch
     assert detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).world_size == 1
 
+
+
+def test_a_free_port_is_free_and_outside_the_ports_the_kernel_hands_out():
+    """A rendezvous port from the ephemeral range can be taken by any connect or bind to port 0
+    between the check and the rendezvous (EADDRINUSE, seen in CI).  And jobs that seed `random`
+    alike must not all draw the same port."""
+    import random
+    import socket
+    low, high = ephemeral_port_range()
+    ports = []
+    for _ in range(8):
+        random.seed(0)
+        ports.append(free_port())
+    assert len(set(ports)) > 1, ports
+    for port in ports:
+        assert not low <= port <= high, (port, low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
 
 TEARDOWN_PROBE = r"""
 import argparse, os, sys, torch
