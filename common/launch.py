@@ -239,32 +239,22 @@ def check_torchrun_master(launch, env=None):
                         "(and --rdzv-conf is_host=1 on the node of --rdzv-endpoint)")
 
 
-def ephemeral_port_range():
-    """The ports the kernel hands out to outgoing connections and to binds on port 0."""
+def free_port():
+    """A free TCP port for a rendezvous a moment later: below the kernel's ephemeral range,
+    where any connect or bind to port 0 (gloo makes many) may take it first (EADDRINUSE); drawn
+    from the system's randomness, as the scripts seed `random` alike in every job."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(v) for v in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def free_port(lowest=20000):
-    """A TCP port that nothing listens on, for a rendezvous that binds it a moment later.
-
-    Not one from the kernel's ephemeral range: any socket's connect or bind to port 0 may take
-    such a port in that moment (gloo opens many), and the rendezvous then fails with
-    EADDRINUSE.  Below the range only another listener can take it.  Drawn from the operating
-    system's randomness, not `random`'s, which the scripts seed alike in every job."""
-    low, _ = ephemeral_port_range()
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
     draw = random.SystemRandom()
-    candidates = ([draw.randrange(lowest, low) for _ in range(64)] if low - lowest >= 1000
-                  else [])
-    for port in candidates + [0]:  # 0: the kernel's choice, where no range is left below
+    below = [draw.randrange(20000, low) for _ in range(64)] if low > 21000 else []
+    for port in below + [0]:  # 0: the kernel's choice, where none below the range is free
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("", port))
+                return s.getsockname()[1]
             except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError("no free TCP port")  # not reached: port 0 always binds
+                if not port:
+                    raise
