@@ -3,8 +3,10 @@ import csv
 import io
 import os
 import pickle
+import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -258,15 +260,12 @@ def test_no_launcher_is_a_world_of_one():
     assert detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).world_size == 1
 
 
-
 @pytest.mark.skipif(not os.path.exists("/proc/sys/net/ipv4/ip_local_port_range"),
                     reason="needs Linux's /proc/sys/net/ipv4/ip_local_port_range")
 def test_a_free_port_is_free_and_outside_the_ports_the_kernel_hands_out():
     """A rendezvous port from the ephemeral range can be taken by any connect or bind to port 0
     between the check and the rendezvous (EADDRINUSE, seen in CI).  And jobs that seed `random`
     alike must not all draw the same port."""
-    import random
-    import socket
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low, high = (int(v) for v in f.read().split())
     ports = []
@@ -278,6 +277,7 @@ def test_a_free_port_is_free_and_outside_the_ports_the_kernel_hands_out():
         assert not low <= port <= high, (port, low, high)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", port))
+
 
 TEARDOWN_PROBE = r"""
 import argparse, os, sys, torch
