@@ -220,8 +220,13 @@ def report(cfg, stats, walls, names):
                       int(s["max_staleness"]) if ref else None,
                       None if s["pulled"] is None else round(100 * s["pulled"], 1),
                       round(statistics.mean(walls[name])) if walls.get(name) else None])
-    log(table(f"Convergence on the yardstick: test accuracy (%) per epoch, mean over "
-              f"{len(cfg['seeds'])} seed(s)", header, lines))
+    # runs skipped by --budget (or failed) leave fewer seeds than were asked
+    asked, ran = len(cfg["seeds"]), {len(stats[name]["finals"]) for name in names
+                                     if name in stats}
+    over = (f"{asked} seed(s)" if ran == {asked} else
+            f"the seeds each run finished (column 'seeds'), of {asked} asked")
+    log(table(f"Convergence on the yardstick: test accuracy (%) per epoch, mean over {over}",
+              header, lines))
 
 
 def merge(paths):

@@ -341,3 +341,23 @@ def test_convergence_in_parallel_keeps_every_run_that_ended(monkeypatch, tmp_pat
                              epochs=1, parallel=2)
     assert result["summary"]["sync, 2 ranks"]["finals"] == [40.0, 41.0, 42.0]
     assert result["summary"]["async, 2 workers"]["finals"] == [41.0, 43.0]
+
+
+def test_convergence_table_counts_the_seeds_that_ran(monkeypatch, capsys):
+    """The table's title gives how many seeds its means are over: where --budget skipped some
+    runs it must not claim all the seeds asked (it once said 12 where 9 had run)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import convergence
+
+    def results(seeds):  # one epoch per run, for each of these seeds
+        return {name: {s: [{"epoch": 1.0, "test_acc": 40.0 + s, "train_loss": 2.0}]
+                       for s in seeds} for name in names}
+
+    cfg = dict(epochs=1, seeds=[0, 1, 2], sync=[2], workers=[2])
+    names = ["sync, 2 ranks", "async, 2 workers"]
+    convergence.report(cfg, convergence.summary(results([0, 1, 2])), {}, names)
+    assert "mean over 3 seed(s)" in capsys.readouterr().out
+    some = results([0, 1])  # seed 2's runs skipped by --budget
+    convergence.report(cfg, convergence.summary(some), {}, names)
+    title = next(line for line in capsys.readouterr().out.splitlines() if "mean over" in line)
+    assert "3 seed(s)" not in title and "of 3 asked" in title, title
