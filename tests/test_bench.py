@@ -349,12 +349,13 @@ def test_convergence_table_counts_the_seeds_that_ran(monkeypatch, capsys):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import convergence
 
+    cfg = dict(epochs=1, seeds=[0, 1, 2], sync=[2], workers=[2])
+    names = ["sync, 2 ranks", "async, 2 workers"]
+
     def results(seeds):  # one epoch per run, for each of these seeds
         return {name: {s: [{"epoch": 1.0, "test_acc": 40.0 + s, "train_loss": 2.0}]
                        for s in seeds} for name in names}
 
-    cfg = dict(epochs=1, seeds=[0, 1, 2], sync=[2], workers=[2])
-    names = ["sync, 2 ranks", "async, 2 workers"]
     convergence.report(cfg, convergence.summary(results([0, 1, 2])), {}, names)
     assert "mean over 3 seed(s)" in capsys.readouterr().out
     some = results([0, 1])  # seed 2's runs skipped by --budget
