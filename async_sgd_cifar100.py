@@ -1,6 +1,7 @@
 """Asynchronous SGD with a parameter server (the slides' Algorithm 2), on CIFAR-100 by default.
 
-    mpirun -np 3 python async_sgd_cifar100.py      # 1 server + 2 workers (any launcher works)
+    mpirun -np 3 python async_sgd_cifar100.py      # 1 server + 2 workers (any launcher works;
+                                                   # Open MPI on < 3 cores: --oversubscribe)
 
 Rank 0 is the parameter server; every other rank is a worker training on its own shard:
 
@@ -33,7 +34,8 @@ network with gradients one update stale. The server's rule, `Server.apply` and `
 4. A gradient two or more updates stale (--pull-from 2) is pulled back: after its step, the
    parameters move P / N of the way back to the reply its worker computed on (--pull P, 0.2).
 5. The model is evaluated and saved once per epoch-equivalent of updates (training samples /
-   global batch), with the BatchNorm statistics averaged over the workers' latest.
+   (global batch / N), one pass over the data), with the BatchNorm statistics averaged over
+   the workers' latest.
 
 Each worker announces when its epochs are done; when all have, the server writes its outputs
 and releases them. So a worker that stays slower sets the run's length, as in sync SGD.
@@ -171,7 +173,7 @@ def work(model, train_loader, args, proc, position, computes=True):
         if reply[0].item() == FINISHED:  # --share-work: the run's updates are all made
             break
         if reply[0].item() != CONTINUE:  # the server says stop, with this exit status
-            raise stop_error(int(reply[0].item()), proc.rank)
+            raise stop_error(int(reply[0].item()), proc.rank, args)
         layout.load_parameters(reply[1:])  # continue from the server's parameters
         if proc.stop.signum:  # this worker was asked to stop: tell the server
             message[0] = STOPPING
@@ -237,14 +239,14 @@ def resume_positions(state, n_workers, updates_per_epoch, args):
     return [state.epoch * batches] * n_workers
 
 
-def stop_error(status, rank):
+def stop_error(status, rank, args):
     """The exception a worker stops with when the server's reply says stop."""
     if status == PeerLost.exit_code:
         return PeerLost(f"worker {rank}: the parameter server lost another worker and stopped; "
-                        "run the same command to resume")
+                        f"{training.to_resume(args)}")
     if status >= 128:
         return Interrupted(f"worker {rank}: stopped by the parameter server (signal); its "
-                           "checkpoint is written; run the same command to resume", status - 128)
+                           f"checkpoint is written; {training.to_resume(args)}", status - 128)
     return NonFiniteLoss(f"worker {rank}: stopped by the parameter server (non-finite loss)")
 
 
@@ -498,8 +500,8 @@ class Server:
         if kind == STOPPING or self.proc.stop.signum:
             signum = self.proc.stop.signum or signal.SIGTERM
             return Interrupted(f"stopped by {signal.Signals(signum).name} after {self.version} "
-                               f"updates: checkpoint written to {self.checkpoint.path}; run the "
-                               "same command to resume", signum)
+                               f"updates: checkpoint written to {self.checkpoint.path}; "
+                               f"{training.to_resume(self.args)}", signum)
         if not math.isfinite(message[3].item()):
             return NonFiniteLoss(f"loss became non-finite after {self.version} updates; the last "
                                  f"good checkpoint in {self.proc.out} is kept; lower --lr")
@@ -570,7 +572,7 @@ class Server:
     def saved(self):
         return (f"it saved the model after {self.version} updates (epoch "
                 f"{self.version // self.updates_per_epoch} complete) to {self.checkpoint.path}; "
-                "run the same command to resume")
+                f"{training.to_resume(self.args)}")
 
     def finish(self, finished, failure):
         for request in self.pending.values():

@@ -14,12 +14,15 @@ and writes two files into --out (default: the first RUNS_DIR):
   report.png  test accuracy per epoch, one panel per data set, each homework target as a dashed
               line; async runs' staleness per epoch in a panel beside them
 
-A folder that is not a run, or a half-written one, is named in one line and skipped.
+A run on --dummy data or on a --train-limit/--test-limit subset is marked so in both, and
+its homework target is neither met nor missed.  A folder that is not a run, a half-written one,
+or one whose files hold something the scripts never write is named in one line and skipped.
 """
 import csv
 import json
 import math
 import os
+import reprlib
 import statistics
 import sys
 
@@ -37,9 +40,13 @@ TARGETS = {
     "sync_sgd_cifar100": ("cifar100", 60.0),
     "async_sgd_cifar100": ("cifar100", 60.0),
 }
-CONFIG_KEYS = ("script", "arch", "world_size", "precision")
-CONFIG_ARGS = ("epochs", "batch_size", "dataset")
 METRIC_COLUMNS = ("epoch", "test_acc", "elapsed_seconds", "images_per_s")
+STALENESS_COLUMNS = ("mean_staleness", "max_staleness")  # the async runs'
+# What each metrics.csv column that report.py reads must hold, besides a finite number.
+METRIC_VALUES = {"epoch": (lambda v: v >= 1 and v == int(v), "a whole number from 1"),
+                 "test_acc": (lambda v: 0 <= v <= 100, "a percentage from 0 to 100"),
+                 **{c: (lambda v: v >= 0, "a number from 0") for c in
+                    ("elapsed_seconds", "images_per_s", *STALENESS_COLUMNS)}}
 TABLE = ["run", "task", "data set", "architecture", "target", "final test acc", "best test acc",
          "epochs", "wall time", "images/s", "ranks / workers", "precision",
          "staleness mean / max", "target met"]
@@ -59,6 +66,10 @@ class Run:
         args = config["args"]
         self.script, self.arch = config["script"], config["arch"]
         self.dataset, self.batch, self.planned = args["dataset"], args["batch_size"], args["epochs"]
+        # not a homework result: random data (--dummy), or a subset (--train-limit/--test-limit)
+        self.dummy = args.get("dummy", False)
+        self.limits = args.get("train_limit"), args.get("test_limit")
+        self.subset = self.limits != (None, None)
         own_dataset, target = TARGETS.get(self.script, (None, None))
         self.target = target if self.dataset == own_dataset else None
         self.done = int(rows[-1]["epoch"])
@@ -66,7 +77,16 @@ class Run:
         self.final = rows[-1]["test_acc"]
         self.best = max(r["test_acc"] for r in rows)
         self.is_async = "updates_per_epoch" in config  # the parameter server's config has it
-        self.staleness = [r for r in rows if "mean_staleness" in r and "max_staleness" in r]
+        self.staleness = [r for r in rows if all(c in r for c in STALENESS_COLUMNS)]
+
+    @property
+    def data(self):
+        """The data set, and what the run saw of it when not all of the real data."""
+        notes = ["dummy data"] if self.dummy else []
+        if self.subset:
+            train, test = (f"{n}" if n else "all" for n in self.limits)
+            notes.append(f"subset: {train} train / {test} test")
+        return f"{self.dataset} ({', '.join(notes)})" if notes else self.dataset
 
     @property
     def layout(self):
@@ -90,12 +110,15 @@ class Run:
         detail = [self.arch, self.layout]
         if self.in_progress:
             detail.append(f"in progress {self.done}/{self.planned}")
+        detail += ["dummy data"] * self.dummy + ["subset"] * self.subset
         return f"{name} ({', '.join(detail)})"
 
     def table_row(self):
         target = "-" if self.target is None else f"{self.target:g}%"
         if self.target is None:
             met = "- (no target on this data set)"
+        elif self.dummy or self.subset:
+            met = f"- ({'dummy data' if self.dummy else 'a subset'}: not a homework result)"
         elif self.final >= self.target:
             met = "yes"
         else:
@@ -106,7 +129,7 @@ class Run:
                          f"{max(r['max_staleness'] for r in self.staleness):g}")
         epochs = f"{self.done}/{self.planned}" + (" (in progress)" if self.in_progress else "")
         images_per_s = statistics.median(r["images_per_s"] for r in self.rows)
-        return [self.name, self.script, self.dataset, self.arch, target, f"{self.final:.2f}%",
+        return [self.name, self.script, self.data, self.arch, target, f"{self.final:.2f}%",
                 f"{self.best:.2f}%", epochs, duration(self.rows[-1]["elapsed_seconds"]),
                 f"{images_per_s:.0f}", self.layout, self.config["precision"], staleness, met]
 
@@ -125,27 +148,55 @@ def is_count(value):
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def is_text(value):
+    return isinstance(value, str) and value.isprintable() and value.strip() != ""
+
+
+# What report.py reads of config.json ("args.x" is config["args"]["x"]): each field's test, what
+# it must be, and whether an older run may lack it (Run then takes the default: real data, all).
+CONFIG_FIELDS = {
+    "script": (is_text, "a line of text", False),
+    "arch": (is_text, "a line of text", False),
+    "world_size": (is_count, "a positive integer", False),
+    "precision": (is_text, "a line of text", False),
+    "args.dataset": (is_text, "a line of text", False),
+    "args.epochs": (is_count, "a positive integer", False),
+    "args.batch_size": (is_count, "a positive integer", False),
+    "args.dummy": (lambda v: isinstance(v, bool), "true or false", True),
+    "args.train_limit": (lambda v: v is None or is_count(v), "a positive integer or null", True),
+    "args.test_limit": (lambda v: v is None or is_count(v), "a positive integer or null", True),
+}
+
+
 def read_config(folder):
+    """config.json, each field report.py reads checked; anything else raises NotARun."""
     try:
         with open(os.path.join(folder, "config.json")) as f:
             config = json.load(f)
     except FileNotFoundError:
         raise NotARun("no config.json") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise NotARun(f"config.json is not readable JSON ({exc})") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise NotARun(f"config.json is not readable JSON ({why})") from None
     if not isinstance(config, dict) or not isinstance(config.get("args"), dict):
         raise NotARun("config.json holds no 'args' object")
-    for key in CONFIG_KEYS:
-        if key not in config:
+    for key, (test, what, optional) in CONFIG_FIELDS.items():
+        holder, name = (config["args"], key[5:]) if key.startswith("args.") else (config, key)
+        if name not in holder:
+            if optional:
+                continue
             raise NotARun(f"config.json lacks '{key}'")
-    for key in CONFIG_ARGS:
-        if key not in config["args"]:
-            raise NotARun(f"config.json lacks 'args.{key}'")
-    for value, key in ((config["world_size"], "world_size"),
-                       (config["args"]["epochs"], "args.epochs"),
-                       (config["args"]["batch_size"], "args.batch_size")):
-        if not is_count(value):
-            raise NotARun(f"config.json: '{key}' is {value!r}, not a positive integer")
+        if not test(holder[name]):
+            raise NotARun(f"config.json: '{key}' is {reprlib.repr(holder[name])}, not {what}")
+    # the processes that each take a share of the global batch: the workers of an async run
+    world = config["world_size"]
+    takers = world - 1 if "updates_per_epoch" in config else world
+    if takers < 1:
+        raise NotARun(f"config.json: an async run (it has 'updates_per_epoch') with "
+                      f"'world_size' {world}; it needs a server and at least one worker")
+    if config["args"]["batch_size"] < takers:
+        raise NotARun(f"config.json: 'args.batch_size' {config['args']['batch_size']} is less "
+                      f"than its {takers} ranks or workers")
     return config
 
 
@@ -168,14 +219,16 @@ def read_metrics(folder):
         raise NotARun("metrics.csv has no epoch yet")
     rows = []
     for number, line in enumerate(lines, start=2):  # line 1 is the header
-        if None in line or any(line[c] in (None, "") for c in METRIC_COLUMNS):
+        if None in line or None in line.values() or any(line[c] == "" for c in METRIC_COLUMNS):
             raise NotARun(f"metrics.csv line {number} is incomplete or has extra fields")
         try:
             row = {c: float(v) for c, v in line.items() if v != ""}
         except ValueError:
             raise NotARun(f"metrics.csv line {number} holds something not a number") from None
-        if not all(math.isfinite(row[c]) for c in METRIC_COLUMNS):
-            raise NotARun(f"metrics.csv line {number} holds a non-finite value")
+        for column, (test, what) in METRIC_VALUES.items():
+            if column in row and not (math.isfinite(row[column]) and test(row[column])):
+                raise NotARun(f"metrics.csv line {number}: {column} is {row[column]:g}, "
+                              f"not {what}")
         if rows and row["epoch"] <= rows[-1]["epoch"]:
             raise NotARun(f"metrics.csv line {number}: epochs out of order")
         rows.append(row)
@@ -228,7 +281,7 @@ def markdown(runs, skipped):
     lines += [cells(run.table_row()) for run in runs]
     lines += ["", "![test accuracy per epoch](report.png)", ""]
     if skipped:
-        lines += ["Skipped (not a run, or half-written):", ""]
+        lines += ["Skipped (not a run, half-written, or holding what no script writes):", ""]
         lines += [f"- {line}" for line in skipped] + [""]
     return "\n".join(lines)
 
@@ -240,6 +293,9 @@ def figure(runs):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+
+    def shown(text):  # as written: a '$' in a folder or config value opens no formula
+        return text.replace("$", r"\$")
 
     datasets = list(dict.fromkeys(run.dataset for run in runs))
     stale = [run for run in runs if run.staleness]
@@ -253,26 +309,26 @@ def figure(runs):
         for run in here:
             ax.plot([r["epoch"] for r in run.rows], [r["test_acc"] for r in run.rows],
                     "o--" if run.in_progress else "o-", color=colour[id(run)], ms=3, lw=1.5,
-                    label=run.label)
+                    label=shown(run.label))
         targets = {}
         for run in here:
             if run.target is not None:
                 targets.setdefault(run.target, []).append(run.script)
         for target, scripts in sorted(targets.items()):
             ax.axhline(target, color="gray", ls="--", lw=1,
-                       label=f"target {target:g}%: {', '.join(dict.fromkeys(scripts))}")
+                       label=shown(f"target {target:g}%: {', '.join(dict.fromkeys(scripts))}"))
             ax.text(0.01, target + 1, f"target {target:g}%", color="gray", fontsize="x-small",
                     transform=ax.get_yaxis_transform())  # x in axes fraction, y in data
-        ax.set(title=f"{dataset}: test accuracy", xlabel="epoch", ylabel="test accuracy (%)",
+        ax.set(title=shown(f"{dataset}: test accuracy"), xlabel="epoch", ylabel="test accuracy (%)",
                ylim=(0, 100))
     if stale:
         ax = axes[-1]
         for run in stale:
             epochs = [r["epoch"] for r in run.staleness]
             ax.plot(epochs, [r["mean_staleness"] for r in run.staleness], "o-",
-                    color=colour[id(run)], ms=3, label=f"{run.name}: mean")
+                    color=colour[id(run)], ms=3, label=shown(f"{run.name}: mean"))
             ax.plot(epochs, [r["max_staleness"] for r in run.staleness], ":",
-                    color=colour[id(run)], label=f"{run.name}: max")
+                    color=colour[id(run)], label=shown(f"{run.name}: max"))
         ax.set(title="async SGD: staleness per epoch", xlabel="epoch",
                ylabel="updates between read and apply", ylim=(0, None))
     for ax in axes:

@@ -1,7 +1,8 @@
 """Synchronous SGD (the slides' Algorithm 1) on CIFAR-100 (or any --dataset), on any number of ranks.
 
     python sync_sgd_cifar100.py                         # a world of 1
-    mpirun -np 4 python sync_sgd_cifar100.py            # Open MPI / MPICH / Intel MPI
+    mpirun -np 4 python sync_sgd_cifar100.py            # Open MPI / MPICH / Intel MPI (Open MPI
+                                                        # on < 4 cores: mpirun --oversubscribe)
     aprun -n 2 -N 1 python sync_sgd_cifar100.py         # Cray, under PBS
     torchrun --nproc-per-node 2 sync_sgd_cifar100.py    # or a Kubeflow PyTorchJob / TrainJob
 

@@ -4,6 +4,9 @@ A checkpoint holds only tensors, numbers, strings, None and lists, tuples and di
 it is read with `torch.load(weights_only=True)`: a `checkpoint.pt` found in --out (a shared
 folder, a run someone sent) cannot run code.  `python -m common.checkpoint convert PATH`
 rewrites a trusted checkpoint of format 1 (which held numpy's RNG state as an ndarray).
+
+Over 250 lines because the format's writer (every output file uses its atomic write), its
+code-free reader, the resume of a run from it and the converter of the old format must agree.
 """
 import collections
 import os
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .flags import check_same_recipe
 from .process import UserError
 
 FORMAT = 2  # 1: numpy's RNG state kept as numpy's own tuple (an ndarray inside)
@@ -34,6 +38,12 @@ def atomic_write(path, write):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:  # a full disk (torch's writer raises RuntimeError)
+        if isinstance(exc, RuntimeError) and "writ" not in str(exc) and "pos" not in str(exc):
+            raise
+        why = getattr(exc, "strerror", None) or f"{exc}: is the disk full?"
+        raise UserError(f"{path}: could not be written ({why}); the previous one is kept: free "
+                        "space or choose another --out") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -159,6 +169,7 @@ class Checkpoint:
         if self.proc.is_main and self.exists():
             try:
                 state = load(self.path, script=self.proc.script, arch=self.args.arch)
+                check_same_recipe(self.path, state["args"], vars(self.args))
             except UserError as exc:  # tell the other ranks too, rather than leave them waiting
                 error = str(exc)
         if self.comm is not None:
@@ -170,8 +181,11 @@ class Checkpoint:
         unwrap(self.model).load_state_dict(state["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None:
+        if self.scheduler is not None:  # this command's schedule (a larger --epochs) at the
+            # step reached: step onto that step again, so that the next batch uses its LR
             self.scheduler.load_state_dict(state["scheduler"])
+            self.scheduler.last_epoch -= 1
+            self.scheduler.step()
         extra = state.get("extra") or {}
         resumed = State(state["epoch"], state["rows"], extra.pop("partial", None), extra)
         where = f"epoch {resumed.epoch}" + (f" and step {resumed.partial['step']} of epoch "

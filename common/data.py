@@ -3,14 +3,15 @@ an ImageNet-layout folder; their download, limits and --dummy stand-ins.  (commo
 turns them into batches on the device.)
 
 Over 250 lines because each format is read and checked in one place, with one clear line for
-each way a file can be missing, damaged or crafted.  CIFAR-100 (150 MB) and TinyImageNet
-(1.2 GB) are read into memory as uint8 tensors, the TinyImageNet JPEGs decoded once by parallel
+each way a file can be missing, damaged or crafted.  CIFAR-100 (184 MB) and TinyImageNet
+(1.35 GB) are read into memory as uint8 tensors, the TinyImageNet JPEGs decoded once by parallel
 workers; an image folder (ImageNet) stays on disk as torchvision ImageFolder datasets whose
 transforms crop and flip each sample: random-resized crop + flip for training, resize to
 256/224 of the crop and center crop for validation.
 """
 import os
 import pickle
+import reprlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -93,7 +94,8 @@ def load_datasets(name, args):
     """
     if name == "imagefolder":
         if args.dummy:  # ImageNet-shaped random data, held in memory: keep it modest
-            spec = DatasetSpec(1000, args.image_size or 224, 10_000, 1_000, IMAGENET_MEAN, IMAGENET_STD)
+            spec = DatasetSpec(1000, args.image_size or 224, 10_000, 1_000, IMAGENET_MEAN,
+                               IMAGENET_STD)
             return (dummy_set(args.train_limit or spec.train_size, spec, seed=args.seed,
                               class_seed=args.seed),
                     dummy_set(args.test_limit or spec.test_size, spec, seed=args.seed + 1,
@@ -181,22 +183,56 @@ def read_cifar100(data_dir, train):
         raise UserError(f"CIFAR-100 not found: expected {folder}/{{train,test,meta}}; "
                         "pass --download to fetch it, or --data-dir to point at it")
     batch = _unpickle(path)
-    meta = _unpickle(os.path.join(folder, "meta"))
-    classes = [n.decode() if isinstance(n, bytes) else n for n in meta.get(b"fine_label_names", [])]
+    classes = _class_names(os.path.join(folder, "meta"))
     data, labels = batch.get(b"data"), batch.get(b"fine_labels")
-    if not isinstance(data, np.ndarray) or labels is None:
+    if data is None or labels is None:
         raise UserError(f"{path}: not a CIFAR-100 pickle (needs b'data' and b'fine_labels'); "
                         "re-download with --download")
-    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32 \
-            or len(labels) != len(data):
-        raise UserError(f"{path}: malformed CIFAR-100 pickle (data {data.dtype} {data.shape}, "
-                        f"{len(labels)} labels); re-download with --download")
-    labels = torch.as_tensor(labels, dtype=torch.int64)
-    if len(classes) != 100 or len(labels) == 0 or labels.min() < 0 or labels.max() >= 100:
-        raise UserError(f"{path}: labels or class names are not those of CIFAR-100's 100 classes; "
-                        "re-download with --download")
+    labels = _fine_labels(path, labels)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 \
+            or data.shape != (len(labels), 3 * 32 * 32):
+        found = (f"dtype {data.dtype}, shape {data.shape}" if isinstance(data, np.ndarray)
+                 else _what(data))
+        raise _field_error(path, "data", f"a uint8 array of {len(labels)} x {3 * 32 * 32} (an "
+                           "image per label)", found)
     images = torch.from_numpy(data.reshape(-1, 3, 32, 32).copy())
     return ImageSet(images, labels, classes)
+
+
+def _class_names(path):
+    """meta's b'fine_label_names': 100 names, Python 2 strings (bytes here), decoded as latin-1
+    as torchvision does (the official names are ASCII)."""
+    names = _unpickle(path).get(b"fine_label_names")
+    if not isinstance(names, list) or len(names) != 100:
+        raise _field_error(path, "fine_label_names", "a list of 100 class names", _what(names))
+    for i, name in enumerate(names):
+        if not isinstance(name, (bytes, str)):
+            raise _field_error(path, "fine_label_names", "a list of 100 class names",
+                               f"{_what(name)} at index {i}")
+    return [n.decode("latin-1") if isinstance(n, bytes) else n for n in names]
+
+
+def _fine_labels(path, labels):
+    """b'fine_labels' as int64: a list of Python ints 0..99, checked before torch sees them (it
+    would truncate a float, overflow on a huge int, refuse a string with a traceback)."""
+    if not isinstance(labels, list) or not labels:
+        raise _field_error(path, "fine_labels", "a list of labels 0 to 99", _what(labels))
+    for i, y in enumerate(labels):
+        if type(y) is not int or not 0 <= y < 100:  # bool is an int, but never a label
+            raise _field_error(path, "fine_labels", "a list of labels 0 to 99",
+                               f"{_what(y)} at index {i}")
+    return torch.tensor(labels, dtype=torch.int64)
+
+
+def _what(value):
+    """"5 (int)": a field's value for an error line, cut short (reprlib: a crafted one may be
+    huge or nested past the recursion limit)."""
+    return f"{reprlib.repr(value)} ({type(value).__name__})"
+
+
+def _field_error(path, field, expected, found):
+    return UserError(f"{path}: field b'{field}' must be {expected}; found {found}; "
+                     "re-download with --download")
 
 
 class _CifarUnpickler(pickle.Unpickler):
@@ -238,7 +274,8 @@ def _unpickle(path):
         raise UserError(f"{path}: unreadable CIFAR-100 pickle ({exc.__class__.__name__}: {exc}); "
                         "re-download with --download") from None
     if not isinstance(obj, dict):
-        raise UserError(f"{path}: not a CIFAR-100 pickle (holds a {type(obj).__name__}, not a dict)")
+        raise UserError(f"{path}: not a CIFAR-100 pickle (holds a {type(obj).__name__}, not a "
+                        "dict)")
     return obj
 
 
@@ -266,34 +303,57 @@ def tinyimagenet_files(data_dir):
     root = tiny_folder(data_dir)
     wnids_path = os.path.join(root, "wnids.txt")
     if not os.path.isfile(wnids_path):
-        raise UserError(f"TinyImageNet not found: expected {root}/ with wnids.txt, train/ and val/; "
-                        "pass --download to fetch it, or --data-dir to point at it")
-    with open(wnids_path) as f:
+        raise UserError(f"TinyImageNet not found: expected {root}/ with wnids.txt, train/ and "
+                        "val/; pass --download to fetch it, or --data-dir to point at it")
+    with _text(wnids_path) as f:
         classes = sorted({line.strip() for line in f if line.strip()})
+    if not classes:
+        raise UserError(f"{wnids_path}: lists no class (one wnid a line); restore it from "
+                        "the original tiny-imagenet-200.zip")
     index = {wnid: i for i, wnid in enumerate(classes)}
 
     train = []
     for wnid in classes:
         folder = os.path.join(root, "train", wnid, "images")
         if not os.path.isdir(folder):
-            raise UserError(f"{folder}: missing training folder of class {wnid} listed in wnids.txt")
-        train += [(os.path.join(folder, n), index[wnid]) for n in sorted(os.listdir(folder))
+            raise UserError(f"{folder}: missing training folder of class {wnid} listed in "
+                            "wnids.txt")
+        images = [(os.path.join(folder, n), index[wnid]) for n in sorted(os.listdir(folder))
                   if n.lower().endswith((".jpeg", ".jpg", ".png"))]
+        if not images:  # a class never trained on, or no training set at all
+            raise UserError(f"{folder}: holds no image (*.JPEG) of class {wnid} listed in "
+                            "wnids.txt; restore it from the original tiny-imagenet-200.zip")
+        train += images
 
     annotations = os.path.join(root, "val", "val_annotations.txt")
     if not os.path.isfile(annotations):
         raise UserError(f"{annotations} missing: the validation labels come from it; "
                         "restore it from the original tiny-imagenet-200.zip")
     val = []
-    with open(annotations) as f:
+    with _text(annotations) as f:
         for lineno, line in enumerate(f, 1):
             fields = line.rstrip("\n").split("\t")
             if not line.strip():
                 continue
             if len(fields) < 2 or fields[1] not in index:
-                raise UserError(f"{annotations}:{lineno}: label {fields[1:2] or '?'} is not in wnids.txt")
+                raise UserError(f"{annotations}:{lineno}: label {fields[1:2] or '?'} is not in "
+                                "wnids.txt")
             val.append((os.path.join(root, "val", "images", fields[0]), index[fields[1]]))
+    if not val:  # else every epoch would test on no image at all
+        raise UserError(f"{annotations}: lists no validation image; restore it from the "
+                        "original tiny-imagenet-200.zip")
     return train, val, classes
+
+
+@contextmanager
+def _text(path):
+    """`path` open as UTF-8 text; a byte that is not (a damaged copy) as one line naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            yield f
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not a text file (byte 0x{exc.object[exc.start]:02x} is not "
+                        "UTF-8); restore it from the original tiny-imagenet-200.zip") from None
 
 
 def read_tinyimagenet(data_dir, workers=4, train_limit=None, test_limit=None, seed=0):
@@ -322,15 +382,24 @@ class _DecodedImages(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         from PIL import Image
-        try:
-            with Image.open(self.paths[i]) as img:
-                img = img.convert("RGB")  # some TinyImageNet images are grayscale
-                if img.size != (self.size, self.size):
-                    img = img.resize((self.size, self.size), Image.BILINEAR)
-                array = np.asarray(img, dtype=np.uint8)
-        except OSError as exc:
-            raise UserError(f"{self.paths[i]}: cannot decode image ({exc})") from None
-        return torch.from_numpy(array.copy()).permute(2, 0, 1)
+        img = _open_rgb(self.paths[i])  # some TinyImageNet images are grayscale
+        if img.size != (self.size, self.size):
+            img = img.resize((self.size, self.size), Image.BILINEAR)
+        return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
+
+
+def _open_rgb(path):
+    """The image file at `path`, decoded, as RGB; a file that is not one as one line naming it
+    (raised in a DataLoader worker, `process.execute` still prints just that line)."""
+    from PIL import Image
+    # Not only OSError (truncated, not an image): a damaged or crafted header raises PIL's
+    # DecompressionBombError, ValueError (a PNG text chunk too large, a bad PPM header)...
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")  # a decoded copy, whatever the mode
+    except Exception as exc:
+        raise UserError(f"{path}: cannot decode image ({type(exc).__name__}: {exc}); replace "
+                        "it with an intact copy") from None
 
 
 def decode_images(paths, size, workers):
@@ -360,8 +429,10 @@ def read_imagefolder(data_dir, image_size):
     val = transforms.Compose([transforms.Resize(resize), transforms.CenterCrop(image_size),
                               transforms.PILToTensor()])
     try:  # a split without class folders, or a class folder without images
-        train_set = datasets.ImageFolder(os.path.join(data_dir, "train"), transform=train)
-        val_set = datasets.ImageFolder(os.path.join(data_dir, "val"), transform=val)
+        train_set = datasets.ImageFolder(os.path.join(data_dir, "train"), transform=train,
+                                         loader=_open_rgb)
+        val_set = datasets.ImageFolder(os.path.join(data_dir, "val"), transform=val,
+                                       loader=_open_rgb)
     except FileNotFoundError as exc:
         raise UserError(f"{data_dir}: {str(exc).rstrip('.')}; every class needs images in "
                         "train/ and val/") from None

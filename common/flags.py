@@ -3,6 +3,8 @@ import argparse
 import math
 import os
 
+from .process import UserError
+
 
 def positive_int(text):
     value = int(text)
@@ -159,3 +161,23 @@ def add_distributed_flags(parser):
     g.add_argument("--timeout", type=positive_float, default=600.0,
                    help="seconds a collective may wait for the other ranks before failing")
     return g
+
+
+# What a resumed run may change: where and how it runs, not what it computes. A larger --epochs
+# goes on along the longer schedule; with --evaluate, any test set may be asked for.
+RUN_FLAGS = {"data_dir", "download", "workers", "epochs", "out", "device", "amp", "fresh",
+             "evaluate", "tensorboard", "backend", "timeout", "exchange", "bucket_mb",
+             "straggler_delay", "weights", "no_pretrained"}
+EVALUATE_FLAGS = RUN_FLAGS | {"test_limit", "train_limit"}
+
+
+def check_same_recipe(path, saved, args):
+    """Refuse, in one line, a checkpoint `path` whose run (its flags `saved`) differs from this
+    command's (`args`, a dict) in a flag outside RUN_FLAGS.  Flags one lacks are not compared."""
+    allowed = EVALUATE_FLAGS if args.get("evaluate") else RUN_FLAGS
+    for name in sorted(set(saved) & set(args) - allowed):
+        if saved[name] != args[name]:
+            then, now = ("unset" if v is None else v for v in (saved[name], args[name]))
+            raise UserError(f"{path}: --{name.replace('_', '-')} was {then} in that run, here "
+                            f"{now}; resume with that run's flags, or start over with --fresh "
+                            "(or another --out)")

@@ -161,6 +161,11 @@ def load_imagenet_state_dict(arch, path=None):
                         "not a plain state_dict (it could run code); delete it and copy "
                         f"{weights_file(arch)} from {weights.url} there") from None
     except (OSError, RuntimeError) as exc:  # URLError is an OSError
+        cached = os.path.join(hub_checkpoint_dir(), weights_file(arch))
+        if os.path.isfile(cached):  # there, but not readable: truncated, say
+            raise UserError(f"{cached}: unreadable ({exc.__class__.__name__}); delete it and copy "
+                            f"{weights_file(arch)} from {weights.url} there, or pass --weights "
+                            "PATH") from None
         raise UserError(
             f"cannot get the ImageNet {NAMES[arch]} weights ({exc.__class__.__name__}: {exc}); "
             f"offline? copy {weights_file(arch)} (from {weights.url}) into {hub_checkpoint_dir()} "
@@ -180,7 +185,8 @@ def _read_state_dict(path, arch):
                         f"{weights_file(arch)}") from None
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
         raise UserError(f"--weights {path}: expected a {NAMES[arch]} state_dict (name -> tensor)")
     return state
 

@@ -1,5 +1,8 @@
 """The run folder (--out): claimed by one run at a time, and its files config.json, metrics.csv,
-curve.png and, with --tensorboard, tb/ (checkpoint.pt: common/checkpoint.py)."""
+curve.png and, with --tensorboard, tb/ (checkpoint.pt: common/checkpoint.py).
+
+Over 250 lines because it owns --out whole: claiming it (created, proved writable, locked, a
+record without its checkpoint refused) as well as writing each of the run's files."""
 import atexit
 import contextlib
 import csv
@@ -33,6 +36,7 @@ class RunFolder:
         if proc.is_main and not args.evaluate:  # before any training time is spent
             prepare_out_dir(args.out)
             lock_out_dir(args.out)
+            check_out_dir(args.out, args.fresh)
 
     def write_config(self, resumed_after_epoch, **extra):
         """config.json, unless the run in --out has all its --epochs: then it stays its record."""
@@ -124,7 +128,7 @@ def curve_figure(rows, title, target=None):
     acc.plot(epochs, [r["test_acc"] for r in rows], "o-", color="C0", lw=2, ms=3,
              label="test accuracy")
     if all(r.get("train_acc") is not None for r in rows):
-        acc.plot(epochs, [r["train_acc"] for r in rows], "-", color="C1", lw=1, alpha=0.7,
+        acc.plot(epochs, [r["train_acc"] for r in rows], ".-", color="C1", lw=1, alpha=0.7,
                  label="train accuracy (augmented)")
     if target is not None:
         acc.axhline(target, color="gray", ls="--", lw=1, label=f"homework target {target:g}%")
@@ -134,11 +138,13 @@ def curve_figure(rows, title, target=None):
     # The loss shows a diverging run first; training loss includes label smoothing.
     loss.plot(epochs, [r["test_loss"] for r in rows], "o-", color="C0", lw=2, ms=3,
               label="test loss")
-    loss.plot(epochs, [r["train_loss"] for r in rows], "-", color="C1", lw=1, alpha=0.7,
+    loss.plot(epochs, [r["train_loss"] for r in rows], ".-", color="C1", lw=1, alpha=0.7,
               label="train loss (label-smoothed)")
     loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss", ylim=(0, None))
-    for ax, where in ((acc, "lower right"), (loss, "best")):
+    for ax, where in ((acc, "best"), (loss, "best")):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if len(epochs) == 1:  # one point: whole epochs on the axis, not a zoom around it
+            ax.set_xlim(epochs[0] - 1, epochs[0] + 1)
         ax.grid(alpha=0.3)
         ax.legend(loc=where)
     fig.tight_layout()
@@ -190,6 +196,19 @@ def prepare_out_dir(out):
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write there ({exc.strerror}); "
                         "choose a writable folder") from None
+
+
+def check_out_dir(out, fresh):
+    """Under the lock: remove the NAME.tmp.PID files a run killed mid-write left, and refuse a
+    folder whose results (metrics.csv) have no checkpoint.pt to resume from."""
+    for name in os.listdir(out):
+        if re.fullmatch(r".+\.tmp\.\d+", name):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out, name))
+    if not fresh and os.path.exists(os.path.join(out, "metrics.csv")) \
+            and not os.path.exists(os.path.join(out, "checkpoint.pt")):
+        raise UserError(f"--out {out}: holds metrics.csv but no checkpoint.pt to resume from; "
+                        "pass --fresh to overwrite those results, or choose another --out")
 
 
 LOCK_FILE = ".lock"

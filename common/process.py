@@ -57,8 +57,11 @@ def execute(main):
     try:
         code = main()
     except (UserError, NonFiniteLoss, PeerLost, Interrupted) as exc:
+        message = str(exc)
+        if "\nOriginal Traceback" in message:  # raised in a DataLoader worker: its line is last
+            message = message.rstrip().splitlines()[-1].split("Error: ", 1)[-1]
         # One line even where the message quotes a library's multi-line text (pickle's, say).
-        text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+        text = " ".join(part.strip() for part in message.splitlines() if part.strip())
         print(text if isinstance(exc, Interrupted) else f"error: {text}", file=sys.stderr,
               flush=True)
         code = exc.exit_code
@@ -67,7 +70,9 @@ def execute(main):
 
 # ------------------------------------------------------------------------------------ signals
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGUSR1 too: Open MPI's mpirun forwards it to every rank, where a Ctrl-C (SIGINT) to mpirun
+# becomes a SIGTERM that a SIGKILL follows within a quarter of a second; Slurm's --signal too.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 @dataclass
@@ -79,11 +84,11 @@ class _Phase:
 
 
 class StopRequest:
-    """SIGTERM / SIGINT as a request to stop after the current step -- or at once, where the
-    process has nothing to save and cannot reach the loop that polls.
+    """SIGTERM / SIGINT / SIGUSR1 as a request to stop after the current step -- or at once,
+    where the process has nothing to save and cannot reach the loop that polls.
 
-    A pod eviction, a PBS or Slurm walltime warning, torchrun stopping its workers and Ctrl-C
-    all send one of these.  The training loop polls `signum` between steps, writes a checkpoint
+    A pod eviction, a PBS or Slurm walltime warning, torchrun stopping its workers, Ctrl-C and
+    `kill -USR1 <mpirun's pid>` all send one of these.  The training loop polls `signum` between steps, writes a checkpoint
     and exits with status 128 + signal.  The signal is also written to a pipe
     (`signal.set_wakeup_fd`) that a watcher thread reads: inside `waiting(...)`, a phase that
     waits on other processes with nothing to save yet (start-up), the watcher ends the process

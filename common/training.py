@@ -43,6 +43,12 @@ def warmup_cosine(optimizer, args, steps_per_epoch):
         optimizer, lambda step: lr_factor(step, args, steps_per_epoch))
 
 
+def to_resume(args):
+    """How to go on from the checkpoint this run has written: with --fresh, the same command
+    would start over."""
+    return f"run the same command{' without --fresh' * bool(args.fresh)} to resume"
+
+
 def epoch_seed(seed, epoch, rank):
     """Dropout and other global-RNG draws of an epoch depend on (seed, epoch, rank) only."""
     return (seed * 1_000_003 + epoch * 7919 + rank * 104_729) % 2**63
@@ -132,7 +138,7 @@ class Meter:
 
     def stop_message(self, path):
         return (f"stopped by {self.proc.stop.name} during epoch {self.epoch + 1}: checkpoint "
-                f"written to {path}; run the same command to resume")
+                f"written to {path}; {to_resume(self.args)}")
 
     def row(self, test_loss, test_acc, rows, **extra):
         """The epoch's metrics.csv row, once it is trained and evaluated; `rows` are the earlier

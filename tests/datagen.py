@@ -416,3 +416,75 @@ def snapshot_tree(path) -> dict:
             snap[p.relative_to(path).as_posix()] = (
                 st.st_size, st.st_mtime_ns, hashlib.sha1(p.read_bytes()).hexdigest())
     return snap
+
+
+# ----------------------------------------------------------------------------
+# Damaged files (added: the readers' one-line errors)
+# ----------------------------------------------------------------------------
+
+def dump_cifar_pickle(path, obj) -> Path:
+    """Pickle `obj` to `path` as the official CIFAR-100 files are (see
+    `write_cifar100_pickles`): Python 3's own protocol 2 would write ``bytes``
+    through ``_codecs.encode``, which the data reader's unpickler refuses."""
+    path = Path(path)
+    with open(path, "wb") as f:
+        _Py2Pickler(f, protocol=2).dump(obj)
+    return path
+
+
+DAMAGED_IMAGES = ("truncated-jpeg", "garbage", "bomb-png", "bomb-jpeg", "png-text-bomb",
+                  "bad-ppm-header")
+
+
+def _png_chunk(kind, payload):
+    import zlib
+    crc = zlib.crc32(kind + payload)
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", crc)
+
+
+def _png(width, height, before_idat=b""):
+    """A PNG of 8 x 8 black RGB pixels whose header says ``width`` x ``height``."""
+    import zlib
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    rows = b"".join(b"\0" + bytes(3 * 8) for _ in range(8))
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + before_idat
+            + _png_chunk(b"IDAT", zlib.compress(rows)) + _png_chunk(b"IEND", b""))
+
+
+def damaged_image_bytes(how, seed=0) -> bytes:
+    """A file of at most a few kB that PIL fails to decode, `how` being one of
+    DAMAGED_IMAGES: a JPEG cut in half (OSError), no image at all
+    (UnidentifiedImageError), a PNG or JPEG whose header declares 60000 x 60000
+    pixels (DecompressionBombError, before any pixel is allocated), a PNG whose
+    zTXt chunk inflates to 2 MB, over PIL's MAX_TEXT_CHUNK (ValueError), a PPM
+    whose header holds no number (ValueError)."""
+    import io
+    import zlib
+    if how == "truncated-jpeg":
+        buf = io.BytesIO()
+        tiny_code_image(0, np.random.default_rng(seed)).save(buf, format="JPEG", quality=95)
+        return buf.getvalue()[: len(buf.getvalue()) // 2]
+    if how == "garbage":
+        return b"this is not an image\n" * 20
+    if how == "bomb-png":
+        return _png(60_000, 60_000)
+    if how == "bomb-jpeg":
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(buf, format="JPEG")
+        raw = bytearray(buf.getvalue())
+        sof = raw.index(b"\xff\xc0")  # marker, length (2), precision (1), height, width
+        raw[sof + 5: sof + 9] = struct.pack(">HH", 60_000, 60_000)
+        return bytes(raw)
+    if how == "png-text-bomb":
+        text = b"comment\0\0" + zlib.compress(bytes(2_000_000))
+        return _png(8, 8, before_idat=_png_chunk(b"zTXt", text))
+    if how == "bad-ppm-header":
+        return b"P6\n6|\n8\n255\n" + bytes(3 * 64)
+    raise ValueError("how must be one of %s" % (DAMAGED_IMAGES,))
+
+
+def write_damaged_image(path, how, seed=0) -> Path:
+    """Overwrite the image file at `path` with `damaged_image_bytes(how)`."""
+    path = Path(path)
+    path.write_bytes(damaged_image_bytes(how, seed))
+    return path

@@ -15,9 +15,12 @@ import torch.nn.functional as F
 import resnet_cifar100
 from common import data, flags
 from common.loader import DeviceLoader
+from common import process
 from common.process import UserError
-from tests.datagen import (CIFAR100_FINE_LABEL_NAMES, cifar_label_from_image, make_cifar100,
-                           make_tinyimagenet, snapshot_tree, tiny_label_from_image)
+from tests.datagen import (CIFAR100_FINE_LABEL_NAMES, DAMAGED_IMAGES, cifar_label_from_image,
+                           dump_cifar_pickle, make_cifar100, make_imagefolder,
+                           make_tinyimagenet, snapshot_tree, tiny_label_from_image,
+                           write_damaged_image)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,8 +78,7 @@ def test_cifar_missing_folder_names_path_and_download(tmp_path):
 
 
 def _dump(path, obj):
-    with open(path, "wb") as f:
-        pickle.dump(obj, f, protocol=2)
+    dump_cifar_pickle(path, obj)  # as the official files: pickle's own is refused (_codecs)
 
 
 def _load(path):
@@ -114,9 +116,43 @@ def test_cifar_malformed_gives_user_error_naming_path(cifar_copy, damage):
         _dump(path, {**good, b"fine_labels": [-1] + good[b"fine_labels"][1:]})
     elif damage == "missing_file":
         path.unlink()
-    _expect_user_error(lambda: data.read_cifar100(str(root), True), path)
+    msg = _expect_user_error(lambda: data.read_cifar100(str(root), True), path)
+    assert "refused" not in msg  # the damage itself is found, not the way it was written
     # the test split is still fine
     assert len(data.read_cifar100(str(root), False)) == 4
+
+
+# (damage, file, field): a structure as the files have it, a field of another type or range
+CIFAR_FIELD_DAMAGE = [
+    ("labels_an_int", "train", "fine_labels"), ("labels_strings", "train", "fine_labels"),
+    ("label_2_pow_70", "train", "fine_labels"), ("labels_floats", "train", "fine_labels"),
+    ("labels_bools", "train", "fine_labels"), ("labels_empty", "train", "fine_labels"),
+    ("data_a_list", "train", "data"), ("data_bytes", "train", "data"),
+    ("data_3d", "train", "data"), ("data_int16", "train", "data"),
+    ("names_an_int", "meta", "fine_label_names"), ("names_ints", "meta", "fine_label_names"),
+    ("names_a_string", "meta", "fine_label_names"), ("names_99", "meta", "fine_label_names"),
+]
+
+
+@pytest.mark.parametrize("damage,name,field", CIFAR_FIELD_DAMAGE,
+                         ids=[d for d, _, _ in CIFAR_FIELD_DAMAGE])
+def test_cifar_field_of_wrong_type_names_file_and_field(cifar_copy, damage, name, field):
+    root, folder = cifar_copy
+    path = folder / name
+    train, meta = _load(folder / "train"), _load(folder / "meta")
+    labels, pixels, names = train[b"fine_labels"], train[b"data"], meta[b"fine_label_names"]
+    bad = {"labels_an_int": 5, "labels_strings": [str(y) for y in labels],
+           "label_2_pow_70": [2 ** 70] + labels[1:],
+           "labels_floats": [y + 0.5 for y in labels],  # torch would truncate them
+           "labels_bools": [True] * len(labels), "labels_empty": [],
+           "data_a_list": pixels.tolist(), "data_bytes": pixels.tobytes(),
+           "data_3d": pixels.reshape(-1, 3, 1024), "data_int16": pixels.astype(np.int16),
+           "names_an_int": 5, "names_ints": list(range(100)),
+           "names_a_string": "x" * 100, "names_99": names[:99]}[damage]
+    _dump(path, {**(train if name == "train" else meta), field.encode(): bad})
+    msg = _expect_user_error(lambda: data.read_cifar100(str(root), True), path,
+                             f"b'{field}'", "--download")
+    assert "refused" not in msg
 
 
 def test_cifar_meta_damaged(cifar_copy):
@@ -244,6 +280,56 @@ def test_tiny_missing_val_annotations(tiny_copy):
     _expect_user_error(lambda: data.tinyimagenet_files(str(root)), ann)
 
 
+@pytest.mark.parametrize("damage", ["wnids_empty", "one_train_folder_empty",
+                                    "all_train_folders_empty", "val_annotations_empty"])
+def test_tiny_without_images_names_what_holds_none(tiny_copy, damage):
+    """Not an epoch of 0 images: training would divide by 0, testing would report 0.00%."""
+    root, tree = tiny_copy
+    wnids = sorted((tree / "wnids.txt").read_text().split())
+    folders = [tree / "train" / w / "images" for w in wnids]
+    if damage == "wnids_empty":
+        named = tree / "wnids.txt"
+        named.write_bytes(b"")
+    elif damage == "val_annotations_empty":
+        named = tree / "val" / "val_annotations.txt"
+        named.write_bytes(b"")
+    else:
+        emptied = folders if damage == "all_train_folders_empty" else folders[1:]
+        for folder in emptied:
+            for image in folder.iterdir():
+                image.unlink()
+        named = emptied[0]
+    _expect_user_error(lambda: data.tinyimagenet_files(str(root)), named)
+    args = parse("--data-dir", str(root), "--workers", "0")
+    _expect_user_error(lambda: data.load_datasets("tinyimagenet", args), named)
+
+
+@pytest.mark.parametrize("name", ["wnids.txt", "val/val_annotations.txt"])
+def test_tiny_text_file_not_utf8(tiny_copy, name):
+    root, tree = tiny_copy
+    path = tree / name
+    raw = path.read_bytes()
+    path.write_bytes(raw[:3] + b"\xff" + raw[3:])  # in the first wnid or file name
+    _expect_user_error(lambda: data.tinyimagenet_files(str(root)), path, "UTF-8")
+
+
+@pytest.mark.parametrize("how", DAMAGED_IMAGES)
+def test_tiny_undecodable_image_names_file(tiny_copy, how):
+    """Every way PIL fails, not only its OSErrors: a decompression bomb (a header declaring
+    60000 x 60000 pixels), a PNG text chunk too large or a bad PPM header (ValueError)."""
+    root, tree = tiny_copy
+    train_files, val_files, _ = data.tinyimagenet_files(str(root))
+    for path in (train_files[1][0], val_files[0][0]):
+        original = open(path, "rb").read()
+        write_damaged_image(path, how)
+        msg = _expect_user_error(lambda: data.read_tinyimagenet(str(root), workers=0), path,
+                                 "cannot decode image")
+        if how.startswith("bomb"):
+            assert "DecompressionBombError" in msg
+        open(path, "wb").write(original)
+    assert len(data.read_tinyimagenet(str(root), workers=0)[0]) == 2
+
+
 def test_tiny_val_label_not_in_wnids(tiny_copy):
     root, tree = tiny_copy
     ann = tree / "val" / "val_annotations.txt"
@@ -254,6 +340,41 @@ def test_tiny_val_label_not_in_wnids(tiny_copy):
     ann.write_text("".join(lines))
     msg = _expect_user_error(lambda: data.tinyimagenet_files(str(root)), ann, "n99999999")
     assert ":3" in msg  # the line number
+
+
+# ------------------------------------------------------------------------------ image folders
+
+@pytest.fixture
+def folder_copy(tmp_path):
+    return make_imagefolder(tmp_path, n_classes=2, n_train_per_class=2, n_val_per_class=1,
+                            size=40, seed=6)
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated-jpeg", "bomb-jpeg", "bad-ppm-header"])
+def test_imagefolder_undecodable_image_names_file(folder_copy, how):
+    train, val = data.read_imagefolder(str(folder_copy), 32)
+    for dataset in (train, val):
+        path = dataset.samples[1][0]
+        write_damaged_image(path, how)
+        assert dataset[0][0].shape == (3, 32, 32)  # the others still load
+        _expect_user_error(lambda: dataset[1], path, "cannot decode image")
+
+
+def test_imagefolder_undecodable_image_in_a_worker_is_one_line(folder_copy, capfd):
+    """Raised mid-epoch in a DataLoader worker process: still the one line, exit status 2."""
+    train, _ = data.read_imagefolder(str(folder_copy), 32)
+    path = write_damaged_image(train.samples[2][0], "garbage")
+    loader = torch.utils.data.DataLoader(train, batch_size=2, num_workers=1)
+
+    def main():
+        for _ in loader:
+            pass
+
+    with pytest.raises(SystemExit) as exit_:
+        process.execute(main)
+    assert exit_.value.code == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: cannot decode image"), lines
 
 
 # ------------------------------------------------------------------------------ DeviceLoader

@@ -140,7 +140,7 @@ def test_kill_9_mid_epoch_then_rerun_equals_an_uninterrupted_run(cifar_dir, tmp_
 
 # ------------------------------------------------------------ SIGTERM / SIGINT
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
 def test_signal_finishes_the_step_checkpoints_and_exits_for_retry(cifar_dir, tmp_path, sig):
     args = ["--train-limit", "192", "--batch-size", "8", "--epochs", "1"]
     out = tmp_path / "out"
@@ -156,6 +156,54 @@ def test_signal_finishes_the_step_checkpoints_and_exits_for_retry(cifar_dir, tmp
     assert rows(out) == []
 
     result = run(cmd("resnet_cifar100.py", cifar_dir, out, *args))
+    assert result.returncode == 0, result.stderr
+    assert f"step {partial['step']} of epoch 1" in result.stdout
+    assert len(rows(out)) == 1
+
+
+def test_a_fresh_run_stopped_says_to_resume_without_fresh(cifar_dir, tmp_path):
+    """With --fresh the same command would start over again, throwing away the checkpoint the
+    stop just wrote: the line says to drop it, and without it the run resumes."""
+    args = ["--train-limit", "192", "--batch-size", "8", "--epochs", "1"]
+    out = tmp_path / "out"
+    proc = start(cmd("resnet_cifar100.py", cifar_dir, out, *args, "--fresh"))
+    wait_for(lambda: os.path.exists(out / "config.json"), what="training to start")
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "run the same command without --fresh to resume" in stderr, stderr
+    step = state(out)["extra"]["partial"]["step"]
+    result = run(cmd("resnet_cifar100.py", cifar_dir, out, *args))
+    assert result.returncode == 0, result.stderr
+    assert f"step {step} of epoch 1" in result.stdout
+
+
+def test_usr1_to_mpirun_stops_every_rank_after_its_step_and_the_run_resumes(cifar_dir,
+                                                                            tmp_path):
+    """Open MPI's mpirun turns a Ctrl-C into a SIGTERM to the ranks and kills them a quarter
+    of a second later, too soon to save; SIGUSR1 it forwards as it is: both ranks stop at the
+    same step, the checkpoint holds it, and the same command resumes there."""
+    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable))
+    if mpirun is None:
+        pytest.skip("no mpirun beside this Python (pip install -r requirements-dev.txt)")
+    out = tmp_path / "out"
+    args = [mpirun, "-np", "2", *cmd("sync_sgd_cifar100.py", cifar_dir, out, "--dummy",
+                                     "--train-limit", "1536", "--batch-size", "8", "--epochs",
+                                     "1")]  # 192 steps: --dummy, as the generated set is 200
+    proc = start(args)
+    wait_for(lambda: os.path.exists(out / "config.json") or proc.poll() is not None,
+             what="training to start")
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 128 + signal.SIGUSR1, stderr
+    assert "stopped by SIGUSR1" in stderr and "resume" in stderr, stderr
+    partial = state(out)["extra"]["partial"]
+    assert 0 < partial["step"] < 192
+    assert rows(out) == []
+
+    result = run(args)
     assert result.returncode == 0, result.stderr
     assert f"step {partial['step']} of epoch 1" in result.stdout
     assert len(rows(out)) == 1
@@ -523,6 +571,28 @@ def test_weights_that_are_not_resnet18(tmp_path, cifar_dir):
                      str(bad), "--image-size", "32"))
     assert result.returncode == 2
     one_error_line(result, str(bad), "ResNet-18")
+
+
+def test_weights_keyed_by_numbers_are_not_a_state_dict(tmp_path, cifar_dir):
+    bad = tmp_path / "numbered.pth"
+    torch.save({0: torch.zeros(3, 3)}, bad)
+    result = run(cmd("pretrained_cifar100.py", cifar_dir, tmp_path / "out", "--weights",
+                     str(bad), "--image-size", "32"))
+    one_error_line(result, str(bad), "state_dict")
+
+
+def test_a_truncated_weights_file_in_the_hub_cache_is_named(tmp_path, cifar_dir):
+    """A copy cut short (a full disk, an interrupted scp): the line names the file to replace,
+    not only the offline advice."""
+    from common.model import weights_file
+    cache = tmp_path / "torch" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    whole = tmp_path / "whole.pth"
+    torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7)}, whole)
+    (cache / weights_file("resnet18")).write_bytes(whole.read_bytes()[:300])
+    result = run(cmd("pretrained_cifar100.py", cifar_dir, tmp_path / "out", "--image-size",
+                     "32"), TORCH_HOME=str(tmp_path / "torch"))
+    one_error_line(result, str(cache / weights_file("resnet18")), "delete it")
 
 
 @pytest.mark.parametrize("script", ["sync_sgd_cifar100.py", "pretrained_cifar100.py"])

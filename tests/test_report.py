@@ -59,6 +59,11 @@ def finish(procs):
         assert proc.returncode == 0, f"{cmd} failed:\n{out}"
 
 
+def odd_config(text, **changes):
+    """config.json's text with these top-level fields changed."""
+    return json.dumps({**json.loads(text), **changes})
+
+
 @pytest.fixture(scope="module")
 def runs_dir(tmp_path_factory, cifar_dir, tiny_dir, resnet18_weights):
     """All five scripts, briefly, side by side in one folder (async and sync under mpirun), plus
@@ -101,7 +106,10 @@ def runs_dir(tmp_path_factory, cifar_dir, tiny_dir, resnet18_weights):
            "no_test_acc": (good_config, good_metrics.replace("test_acc", "test_accuracy")),
            "half_written_row": (good_config, good_metrics.rstrip("\n").rsplit(",", 3)[0]),
            "not_started": (good_config, None),
-           "not_a_number": (good_config, f"{header}\n1,{','.join(['x'] * 8)}\n")}
+           "not_a_number": (good_config, f"{header}\n1,{','.join(['x'] * 8)}\n"),
+           "script_a_list": (odd_config(good_config, script=["x"]), good_metrics),
+           "async_of_one_process": (odd_config(good_config, updates_per_epoch=4), good_metrics),
+           "nested_deeply": ("[" * 100_000 + "]" * 100_000, good_metrics)}
     for name, (config, metrics) in bad.items():
         (broken / name).mkdir(parents=True)
         (broken / name / "config.json").write_text(config)
@@ -115,7 +123,8 @@ def runs_dir(tmp_path_factory, cifar_dir, tiny_dir, resnet18_weights):
 GOOD = ["resnet_cifar100", "resnet_tinyimagenet", "pretrained_cifar100", "sync_sgd_cifar100",
         "async_sgd_cifar100", "more/stopped"]
 BROKEN = ["corrupt_json", "empty_metrics", "no_test_acc", "half_written_row", "not_started",
-          "not_a_number", "checkpoint_only"]
+          "not_a_number", "script_a_list", "async_of_one_process", "nested_deeply",
+          "checkpoint_only"]
 
 
 def table(markdown):
@@ -146,8 +155,12 @@ def expected_row(folder, name):
         staleness = (f"{statistics.mean(float(r['mean_staleness']) for r in metrics):.2f} / "
                      f"{max(float(r['max_staleness']) for r in metrics):g}")
     in_progress = done < planned
-    met = "yes" if final >= target else "not yet" if in_progress else "no"
-    return {"run": name, "task": script, "data set": args["dataset"], "architecture": config["arch"],
+    # every run here is a TINY one: a subset, whose target is neither met nor missed
+    assert (args["dummy"], args["train_limit"], args["test_limit"]) == (False, 32, 16)
+    met = "- (a subset: not a homework result)"
+    return {"run": name, "task": script,
+            "data set": f"{args['dataset']} (subset: 32 train / 16 test)",
+            "architecture": config["arch"],
             "target": HOMEWORK[script], "final test acc": f"{final:.2f}%",
             "best test acc": f"{best:.2f}%",
             "epochs": f"{done}/{planned}" + (" (in progress)" if in_progress else ""),
@@ -178,7 +191,7 @@ def test_report_of_all_five_scripts(runs_dir, tmp_path):
         assert rows[name] == expected_row(runs_dir / name, name), name
     assert rows["more/stopped"]["epochs"] == "1/2 (in progress)"
     assert rows["resnet_cifar100"]["epochs"] == "2/2"  # resumed after its first epoch
-    assert rows["resnet_tinyimagenet"]["data set"] == "tinyimagenet"
+    assert rows["resnet_tinyimagenet"]["data set"] == "tinyimagenet (subset: 32 train / 16 test)"
 
     # report.png: one panel per data set (cifar100, tinyimagenet) and async staleness
     with open(out / "report.png", "rb") as f:
@@ -209,8 +222,11 @@ def test_report_figure_draws_each_run_and_target(runs_dir):
     flat = {ax: {line.get_ydata()[0] for line in ax.lines if line.get_label().startswith("target")}
             for ax in (cifar, tiny)}
     assert flat == {cifar: {60.0, 70.0}, tiny: {50.0}}
-    # the sync run says its ranks and global batch in the legend
+    # the sync run says its ranks and global batch in the legend; every run, that it is a subset
     assert any("2 ranks x 8 = global batch 16" in label for label in curves(cifar))
+    runs_drawn = [label for ax in (cifar, tiny) for label in curves(ax)
+                  if not label.startswith("target")]
+    assert len(runs_drawn) == len(GOOD) and all(label.endswith(", subset)") for label in runs_drawn)
     async_rows = read_metrics(runs_dir / "async_sgd_cifar100")
     assert curves(staleness) == {
         "async_sgd_cifar100: mean": pytest.approx([float(r["mean_staleness"]) for r in async_rows]),
@@ -249,6 +265,107 @@ def test_target_applies_on_the_scripts_own_data_set():
     config["args"]["dataset"] = "imagefolder"
     other = report.Run("r", "r", config, rows).table_row()
     assert (other[4], other[-1]) == ("-", "- (no target on this data set)")
+
+
+GOOD_CONFIG = {"script": "resnet_cifar100", "arch": "hw4", "world_size": 1, "precision": "fp32",
+               "args": {"epochs": 1, "batch_size": 16, "dataset": "cifar100", "dummy": False,
+                        "train_limit": None, "test_limit": None}}
+METRICS = "epoch,test_acc,elapsed_seconds,images_per_s\n1,{acc},80.0,300.0\n"
+
+
+def config_with(args=(), **fields):
+    """GOOD_CONFIG with these fields, and these of its args, changed."""
+    config = json.loads(json.dumps(GOOD_CONFIG))
+    config["args"].update(args)
+    return {**config, **fields}
+
+
+def write_run(folder, config, metrics=METRICS.format(acc=65.0)):
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    (folder / "metrics.csv").write_text(metrics)
+
+
+def test_a_run_whose_files_hold_odd_values_is_skipped_in_one_line(tmp_path, capsys):
+    """Fields of the wrong type or out of range, in config.json or metrics.csv: the folder is
+    named in one line and skipped, like a half-written one; the good runs beside it are
+    reported (a '$' in a name or value is no formula in report.png)."""
+    header = "epoch,test_acc,elapsed_seconds,images_per_s"
+    async_config = config_with(script="async_sgd_cifar100", world_size=3, updates_per_epoch=4)
+    odd = {  # folder: (config.json, metrics.csv or None for the good one, what the line says)
+        "script_a_list": (config_with(script=["x"]), None, "'script' is ['x'], not a line of"),
+        "dataset_a_dict": (config_with({"dataset": {"a": 1}}), None, "'args.dataset' is {'a'"),
+        "arch_of_two_lines": (config_with(arch="hw4\nresnet18"), None, "'arch' is 'hw4\\nres"),
+        "precision_a_number": (config_with(precision=16), None, "'precision' is 16, not a line"),
+        "dummy_a_string": (config_with({"dummy": "yes"}), None, "'args.dummy' is 'yes', not true"),
+        "limit_of_zero": (config_with({"test_limit": 0}), None, "'args.test_limit' is 0, not a"),
+        "async_of_one_process": (config_with(world_size=1, updates_per_epoch=4), None,
+                                 "'world_size' 1; it needs a server and at least one worker"),
+        "batch_below_the_ranks": (config_with(world_size=4, args={"batch_size": 2}), None,
+                                  "'args.batch_size' 2 is less than its 4 ranks or workers"),
+        "nested_deeply": ("[" * 100_000 + "]" * 100_000, None, "not readable JSON (nested too"),
+        "epoch_zero": (GOOD_CONFIG, f"{header}\n0,65,80,300\n", "line 2: epoch is 0, not a"),
+        "epoch_a_fraction": (GOOD_CONFIG, f"{header}\n1.5,65,80,300\n", "epoch is 1.5, not"),
+        "accuracy_over_100": (GOOD_CONFIG, f"{header}\n1,250,80,300\n",
+                              "test_acc is 250, not a percentage from 0 to 100"),
+        "negative_time": (GOOD_CONFIG, f"{header}\n1,65,-5,300\n", "elapsed_seconds is -5, not"),
+        "staleness_nan": (async_config, f"{header},mean_staleness,max_staleness\n"
+                                        "1,65,80,300,nan,3\n", "mean_staleness is nan, not"),
+        "row_short_of_a_column": (GOOD_CONFIG, f"{header},lr\n1,65,80,300\n",
+                                  "line 2 is incomplete"),
+    }
+    for name, (config, metrics, _) in odd.items():
+        write_run(tmp_path / name, config, metrics or METRICS.format(acc=65.0))
+    good = r"good$\foo$"
+    write_run(tmp_path / good, config_with(arch=r"$\bar$"))
+    report.main([str(tmp_path), "--out", str(tmp_path / "report")])
+    messages = capsys.readouterr().err.splitlines()
+    assert len(messages) == len(odd), messages
+    for name, (_, _, says) in odd.items():
+        named = [line for line in messages if f"{os.sep}{name}:" in line]
+        assert len(named) == 1 and named[0].startswith("skipped ") and says in named[0], \
+            (name, messages)
+    rows = table((tmp_path / "report" / "report.md").read_text())
+    assert list(rows) == [good] and rows[good]["architecture"] == r"$\bar$"
+    assert Image.open(tmp_path / "report" / "report.png").size[0] > 0
+
+
+def test_a_run_on_dummy_data_or_a_subset_is_marked_and_meets_no_target(tmp_path, capsys):
+    """--dummy and --train-limit/--test-limit runs: the data set column and the legend say so,
+    and the target column neither claims the homework target met (65%) nor missed (5%)."""
+    cases = {  # folder: (args, data set column, target met at 65% and at 5%, legend's end)
+        "real": ({}, "cifar100", ("yes", "no"), "batch 16)"),
+        "real_old": ({}, "cifar100", ("yes", "no"), "batch 16)"),
+        "dummy": ({"dummy": True}, "cifar100 (dummy data)",
+                  ("- (dummy data: not a homework result)",) * 2, "batch 16, dummy data)"),
+        "subset": ({"train_limit": 256, "test_limit": 128},
+                   "cifar100 (subset: 256 train / 128 test)",
+                   ("- (a subset: not a homework result)",) * 2, "batch 16, subset)"),
+        "test_subset": ({"test_limit": 128}, "cifar100 (subset: all train / 128 test)",
+                        ("- (a subset: not a homework result)",) * 2, "batch 16, subset)"),
+        "dummy_subset": ({"dummy": True, "train_limit": 64, "test_limit": 32},
+                         "cifar100 (dummy data, subset: 64 train / 32 test)",
+                         ("- (dummy data: not a homework result)",) * 2,
+                         "batch 16, dummy data, subset)"),
+    }
+    for name, (args, _, _, _) in cases.items():
+        config = config_with(args)
+        if name == "real_old":  # config.json of a run from before these flags: no such fields
+            for key in ("dummy", "train_limit", "test_limit"):
+                del config["args"][key]
+        for accuracy in (65.0, 5.0):
+            write_run(tmp_path / f"{accuracy:g}" / name, config, METRICS.format(acc=accuracy))
+    for index, accuracy in enumerate((65.0, 5.0)):
+        folder = tmp_path / f"{accuracy:g}"
+        report.main([str(folder)])
+        rows = table((folder / "report.md").read_text())
+        labels = {os.path.basename(run.name): run.label
+                  for run in report.find_runs([str(folder)], print)[0]}
+        for name, (_, data, met, legend) in cases.items():
+            assert (rows[name]["data set"], rows[name]["target"]) == (data, "60%"), name
+            assert rows[name]["target met"] == met[index], (name, accuracy)
+            assert labels[name] == f"resnet_cifar100 [{name}] (hw4, 1 process, {legend}", name
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_report_without_runs_is_one_error(tmp_path, capsys):

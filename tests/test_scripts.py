@@ -3,6 +3,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from helpers import ok, one_error_line
-from tests.datagen import make_resnet18_weights, snapshot_tree
+from tests.datagen import make_resnet18_weights, make_tinyimagenet, snapshot_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLUMNS = ["epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr",
@@ -129,6 +130,18 @@ def test_resnet_tinyimagenet_end_to_end(tiny_dir, tmp_path):
     assert re.search(r"\b20\b", log[0]) and re.search(r"\b12\b", log[0]) and "64" in log[0]
 
 
+def test_a_bad_image_decoded_in_a_worker_process_is_one_line(tmp_path):
+    """Over 512 files (the real data set always) are decoded by --workers processes: a bad
+    JPEG there still ends in one line naming it, not the worker's traceback flattened."""
+    root = make_tinyimagenet(tmp_path / "data", n_classes=2, n_train_per_class=260,
+                             n_val_per_class=1, size=8)
+    bad = sorted((root / "train").glob("*/images/*.JPEG"))[300]
+    bad.write_bytes(b"garbage")
+    proc = run_script("resnet_tinyimagenet.py", "--data-dir", tmp_path / "data", "--out",
+                      tmp_path / "out", "--workers", "2", "--device", "cpu", cwd=tmp_path)
+    one_error_line(proc, bad.name)
+
+
 def test_pretrained_end_to_end_loads_weights(cifar_dir, tmp_path):
     """--weights loads the file: with LR 0 the saved backbone equals the file's tensors."""
     # not the session fixture: its seed 0 is also the scripts' default --seed, so a script
@@ -185,6 +198,79 @@ def test_resume_continues_where_it_stopped(resumed_run, cifar_run):
     # and the numbers equal those of the uninterrupted run
     _, uninterrupted = read_rows(cifar_run[0])
     assert results(rows) == pytest.approx(results(uninterrupted), rel=1e-4, abs=1e-6)
+
+
+def test_a_larger_epochs_goes_on_along_the_longer_schedule(cifar_run, cifar_dir, tmp_path):
+    """A finished 2-epoch run resumed with --epochs 3 trains epoch 3 on the 3-epoch cosine from
+    the step it reached (half the peak LR), not at the LR it ended with (0)."""
+    out = tmp_path / "out"
+    shutil.copytree(cifar_run[0], out)
+    ok(run_script("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out, *SMALL,
+                  "--epochs", 3, cwd=tmp_path))
+    _, rows = read_rows(out)
+    assert [int(r["epoch"]) for r in rows] == [1, 2, 3]
+    assert float(rows[2]["lr"]) == pytest.approx(0.025)  # 0.05 x (1 + cos(pi / 2)) / 2
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    assert state["optimizer"]["param_groups"][0]["initial_lr"] == 0.05
+
+
+@pytest.mark.parametrize("change", [["--batch-size", "8"], ["--lr", "0.1"],
+                                    ["--dummy", "--dataset", "tinyimagenet"]])
+def test_a_changed_recipe_is_refused_and_changes_nothing(cifar_run, cifar_dir, tmp_path, change):
+    """Resuming with another recipe would mix two runs (another batch size re-counts the steps
+    the schedule has made; another data set does not fit the head): one line, no file touched."""
+    out = tmp_path / "out"
+    shutil.copytree(cifar_run[0], out)
+    before = snapshot_tree(out)
+    proc = run_script("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out, *SMALL,
+                      "--epochs", 3, *change, cwd=tmp_path)
+    one_error_line(proc, out / "checkpoint.pt", change[-2], "--fresh")
+    assert snapshot_tree(out) == before
+
+
+def test_results_without_their_checkpoint_are_not_overwritten(cifar_run, cifar_dir, tmp_path):
+    """A folder whose metrics.csv has lost its checkpoint.pt (deleted to save space, say) holds
+    results nothing could resume: a run into it stops at once unless --fresh says overwrite."""
+    out = tmp_path / "out"
+    shutil.copytree(cifar_run[0], out)
+    (out / "checkpoint.pt").unlink()
+    before = snapshot_tree(out)
+    proc = run_script("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out, *SMALL,
+                      "--epochs", 1, cwd=tmp_path)
+    one_error_line(proc, out, "metrics.csv", "checkpoint.pt", "--fresh")
+    assert snapshot_tree(out) == before
+    ok(run_script("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out, *SMALL,
+                  "--epochs", 1, "--fresh", cwd=tmp_path))
+    assert len(read_rows(out)[1]) == 1
+
+
+def test_what_a_kill_mid_write_left_is_removed(cifar_run, cifar_dir, tmp_path):
+    """A file being written aside when the run was killed (NAME.tmp.PID) is removed by the next
+    run into the folder, which holds its lock; the files themselves stay as they were."""
+    out = tmp_path / "out"
+    shutil.copytree(cifar_run[0], out)
+    before = snapshot_tree(out)
+    (out / "checkpoint.pt.tmp.4242").write_bytes(b"half a checkpoint")
+    ok(run_script("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out, *SMALL,
+                  "--epochs", 2, cwd=tmp_path))
+    assert snapshot_tree(out) == before
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_debris(cifar_dir, tmp_path):
+    """The first checkpoint (28 MB) does not fit a 4 MB file system: one line naming the file
+    and the cause, and no half-written file left in --out."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", disk],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root): the full disk is not simulated")
+    try:
+        proc = run_script("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", disk / "out",
+                          *SMALL, "--epochs", 1, cwd=tmp_path)
+        one_error_line(proc, disk / "out" / "checkpoint.pt", "disk full")
+        assert not [p for p in os.listdir(disk / "out") if ".tmp." in p]
+    finally:
+        subprocess.run(["umount", disk], check=True)
 
 
 def test_fresh_starts_over(resumed_run, cifar_run):
