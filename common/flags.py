@@ -164,18 +164,19 @@ def add_distributed_flags(parser):
 
 
 # What a resumed run may change: where and how it runs, not what it computes. A larger --epochs
-# goes on along the longer schedule; with --evaluate, any test set may be asked for.
+# goes on along the longer schedule.  --evaluate needs only the data its network was made for.
 RUN_FLAGS = {"data_dir", "download", "workers", "epochs", "out", "device", "amp", "fresh",
              "evaluate", "tensorboard", "backend", "timeout", "exchange", "bucket_mb",
              "straggler_delay", "weights", "no_pretrained"}
-EVALUATE_FLAGS = RUN_FLAGS | {"test_limit", "train_limit"}
+EVALUATED_WITH = {"dataset", "image_size"}
 
 
 def check_same_recipe(path, saved, args):
     """Refuse, in one line, a checkpoint `path` whose run (its flags `saved`) differs from this
-    command's (`args`, a dict) in a flag outside RUN_FLAGS.  Flags one lacks are not compared."""
-    allowed = EVALUATE_FLAGS if args.get("evaluate") else RUN_FLAGS
-    for name in sorted(set(saved) & set(args) - allowed):
+    command's (`args`, a dict) in a flag outside RUN_FLAGS (with --evaluate: in EVALUATED_WITH).
+    Flags one of them lacks are not compared."""
+    both = set(saved) & set(args)
+    for name in sorted(both & EVALUATED_WITH if args.get("evaluate") else both - RUN_FLAGS):
         if saved[name] != args[name]:
             then, now = ("unset" if v is None else v for v in (saved[name], args[name]))
             raise UserError(f"{path}: --{name.replace('_', '-')} was {then} in that run, here "

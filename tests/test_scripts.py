@@ -297,6 +297,18 @@ def test_evaluate_reports_checkpoint_accuracy_and_writes_nothing(cifar_run, cifa
     assert os.listdir(tmp_path) == []
 
 
+def test_evaluate_takes_any_batch_but_not_another_data_set(cifar_run, cifar_dir, tmp_path):
+    """Evaluation depends on the data the network was made for, not on the training recipe: a
+    checkpoint of CIFAR-100's 100 classes is not tested on TinyImageNet's 200 (a traceback of
+    mismatched shapes before), while another --batch-size or --seed changes nothing."""
+    out, _ = cifar_run
+    ok(run_script("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out, "--evaluate",
+                  *SMALL, "--batch-size", "7", "--seed", "3", cwd=tmp_path))
+    proc = run_script("resnet_cifar100.py", "--out", out, "--evaluate", *SMALL, "--dummy",
+                      "--dataset", "tinyimagenet", cwd=tmp_path)
+    one_error_line(proc, "--dataset was cifar100 in that run, here tinyimagenet")
+
+
 def test_evaluate_without_checkpoint(cifar_dir, tmp_path):
     out = tmp_path / "none"
     proc = run_script("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out, "--evaluate",
