@@ -595,7 +595,13 @@ class Server:
         if not isinstance(failure, PeerLost):  # after a timeout gloo has closed every pair
             status = torch.tensor([0.0 if failure is None else failure.exit_code])
             for worker in finished:
-                dist.send(status, dst=worker)  # release it
+                try:
+                    dist.send(status, dst=worker)  # release it
+                except RuntimeError as exc:  # gone after its part: the run is complete
+                    if not distributed.is_peer_failure(exc):
+                        raise
+                    self.proc.log(f"worker {worker}: gone before it was released "
+                                  f"({distributed.failure_line(exc, 100)})")
         if failure is not None:
             raise failure
 
@@ -676,6 +682,7 @@ def main(argv=None):
     folder = outputs.RunFolder(args, proc, TARGET if args.dataset == "cifar100" else None)
     comm = distributed.start(args, proc, launch)
     try:
+        comm.check_same_flags(args)  # one recipe for every rank
         train_set, test_set = data.load_datasets(args.dataset, args)
         # Workers shard the training set among themselves; the server alone evaluates.
         if comm.rank == 0:

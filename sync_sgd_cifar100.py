@@ -172,6 +172,7 @@ def main(argv=None):
     folder = outputs.RunFolder(args, proc, TARGET if args.dataset == "cifar100" else None)
     comm = distributed.start(args, proc, launch)
     try:
+        comm.check_same_flags(args)  # one recipe for every rank
         train_set, test_set = data.load_datasets(args.dataset, args)
         train_loader, test_loader = loader.make_loaders(  # this rank's shards
             train_set, test_set, args, proc, batch_size=per_rank, rank=comm.rank, world_size=world)

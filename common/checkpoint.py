@@ -170,6 +170,12 @@ class Checkpoint:
             try:
                 state = load(self.path, script=self.proc.script, arch=self.args.arch)
                 check_same_recipe(self.path, state["args"], vars(self.args))
+                world = (state.get("extra") or {}).get("world_size", self.proc.world_size)
+                if world != self.proc.world_size and not self.args.evaluate:
+                    raise UserError(f"{self.path}: that run had {world} processes, this one has "
+                                    f"{self.proc.world_size} (its shards and per-rank batch, or "
+                                    f"workers, depend on it); resume with {world}, or start "
+                                    "over with --fresh (or another --out)")
             except UserError as exc:  # tell the other ranks too, rather than leave them waiting
                 error = str(exc)
         if self.comm is not None:
@@ -197,7 +203,8 @@ class Checkpoint:
         """Write the state (and an interrupted epoch's `partial` progress) on the main rank."""
         if not self.proc.is_main:
             return
-        extra = dict(state.extra, **({"partial": partial} if partial else {}))
+        extra = dict(state.extra, world_size=self.proc.world_size,
+                     **({"partial": partial} if partial else {}))
         save(self.path, script=self.proc.script, arch=self.args.arch, model=self.model,
              optimizer=self.optimizer, scheduler=self.scheduler, epoch=state.epoch,
              rows=state.rows, args=vars(self.args), extra=extra)

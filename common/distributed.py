@@ -6,6 +6,9 @@ The backend is chosen by `resolve_backend`: nccl on CUDA, gloo on CPU.  Under to
 group meets in torchrun's own store (so that a restarted group meets again), elsewhere over
 TCP at the master's address (common/launch.py finds it).  Start-up waits at most --timeout
 for the other ranks, then every rank exits with one line and a retryable status.
+
+Over 250 lines because each collective the scripts use must tell a lost peer from a bug, from
+the start-up wait to the last barrier, and that is one concern held in one place.
 """
 import datetime
 import io
@@ -18,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import load_plain
+from .flags import RANK_FLAGS, recipe_difference
 from .launch import check_torchrun_master, choose_gloo_interface
 from .process import PeerLost, UserError
 
@@ -67,6 +71,28 @@ class Comm:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor
 
+    def device(self):
+        """Where this backend's collectives take their tensors: nccl takes CUDA tensors only."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
+            else torch.device("cpu")
+
+    def check_same_flags(self, args):
+        """Every rank runs rank 0's recipe: a wrapper that gives one rank another --seed would
+        silently overlap the shards, another --batch-size break a collective.  One line on
+        every rank otherwise (the differing rank's names the flag)."""
+        if self.world_size == 1:
+            return
+        differ = recipe_difference(self.broadcast_state(vars(args)), vars(args), RANK_FLAGS)
+        anyone = torch.tensor([float(differ is not None)], device=self.device())
+        dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
+        if differ:
+            raise UserError(f"rank {self.rank}: {differ[0]} is {differ[2]} here but {differ[1]} "
+                            "on rank 0; start every rank with the same flags")
+        if anyone.item():
+            raise UserError(f"rank {self.rank}: another rank was started with other flags than "
+                            "rank 0 (its line names the flag); start every rank with the same "
+                            "flags")
+
     def broadcast_state(self, obj, src=0):
         """Rank `src`'s plain data (what a checkpoint holds) on every rank, as torch.save writes
         it, read with weights_only.  Not broadcast_object_list: it pickles each tensor with its
@@ -74,9 +100,7 @@ class Comm:
         43 MB to 1.25 GB, and workers still unpickling it missed rank 0's next collective."""
         if self.world_size == 1:
             return obj
-        # nccl takes CUDA tensors only
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
-            else torch.device("cpu")
+        device = self.device()
         data = pack_state(obj).to(device) if self.rank == src else None
         size = torch.tensor([data.numel() if data is not None else 0], device=device)
         dist.broadcast(size, src=src)
@@ -109,9 +133,14 @@ class Comm:
 
     def finish(self):
         """After a successful run: wait until every rank is done with its collectives, so
-        that none tears gloo down while another is still completing one."""
+        that none tears gloo down while another is still completing one.  A rank gone by
+        then has done its part: the run is complete all the same."""
         if self.world_size > 1:
-            dist.barrier()
+            try:
+                dist.barrier()
+            except RuntimeError as exc:
+                if not is_peer_failure(exc):
+                    raise
 
     def close(self):
         if dist.is_initialized():

@@ -169,16 +169,28 @@ RUN_FLAGS = {"data_dir", "download", "workers", "epochs", "out", "device", "amp"
              "evaluate", "tensorboard", "backend", "timeout", "exchange", "bucket_mb",
              "straggler_delay", "weights", "no_pretrained"}
 EVALUATED_WITH = {"dataset", "image_size"}
+# What the ranks of one run may be given differently: a host's own data folder, say.
+RANK_FLAGS = RUN_FLAGS - {"epochs", "evaluate"}
+
+
+def recipe_difference(theirs, ours, allowed=RUN_FLAGS, compared=None):
+    """The first flag outside `allowed` (only those in `compared`, if given) whose value in
+    `theirs` differs from `ours` (dicts of flags), as "--name", theirs, ours; or None.  Flags
+    one of them lacks are not compared."""
+    both = set(theirs) & set(ours)
+    for name in sorted(both & compared if compared is not None else both - allowed):
+        if theirs[name] != ours[name]:
+            then, now = ("unset" if v is None else v for v in (theirs[name], ours[name]))
+            return f"--{name.replace('_', '-')}", then, now
+    return None
 
 
 def check_same_recipe(path, saved, args):
-    """Refuse, in one line, a checkpoint `path` whose run (its flags `saved`) differs from this
-    command's (`args`, a dict) in a flag outside RUN_FLAGS (with --evaluate: in EVALUATED_WITH).
-    Flags one of them lacks are not compared."""
-    both = set(saved) & set(args)
-    for name in sorted(both & EVALUATED_WITH if args.get("evaluate") else both - RUN_FLAGS):
-        if saved[name] != args[name]:
-            then, now = ("unset" if v is None else v for v in (saved[name], args[name]))
-            raise UserError(f"{path}: --{name.replace('_', '-')} was {then} in that run, here "
-                            f"{now}; resume with that run's flags, or start over with --fresh "
-                            "(or another --out)")
+    """Refuse, in one line, the checkpoint `path` of a run (its flags `saved`) whose recipe
+    differs from this command's (`args`, a dict); with --evaluate, only its data."""
+    differ = recipe_difference(saved, args, compared=EVALUATED_WITH if args.get("evaluate")
+                               else None)
+    if differ:
+        raise UserError(f"{path}: {differ[0]} was {differ[1]} in that run, here {differ[2]}; "
+                        "resume with that run's flags, or start over with --fresh (or another "
+                        "--out)")

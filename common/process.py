@@ -65,7 +65,19 @@ def execute(main):
         print(text if isinstance(exc, Interrupted) else f"error: {text}", file=sys.stderr,
               flush=True)
         code = exc.exit_code
+        if isinstance(exc, (UserError, NonFiniteLoss)):
+            abort_mpi_job(code)
     sys.exit(code or 0)
+
+
+def abort_mpi_job(code):
+    """Under mpirun, end every rank with this permanent status (MPI_Abort): Open MPI would
+    otherwise leave the others waiting out --timeout, then report their retryable 200, which an
+    MPIJob restarts for ever."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() \
+            and mpi.COMM_WORLD.Get_size() > 1:
+        mpi.COMM_WORLD.Abort(code)
 
 
 # ------------------------------------------------------------------------------------ signals

@@ -161,6 +161,19 @@ def test_signal_finishes_the_step_checkpoints_and_exits_for_retry(cifar_dir, tmp
     assert len(rows(out)) == 1
 
 
+def test_bad_input_on_one_rank_under_mpirun_ends_the_job_with_2(cifar_dir, tmp_path):
+    """Only rank 0 claims --out: when it cannot, Open MPI used to leave the other rank waiting
+    out --timeout and then report its retryable 200, which an MPIJob restarts for ever."""
+    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable))
+    if mpirun is None:
+        pytest.skip("no mpirun beside this Python (pip install -r requirements-dev.txt)")
+    (tmp_path / "a-file").write_text("")
+    result = run([mpirun, "-np", "2", *cmd("sync_sgd_cifar100.py", cifar_dir,
+                                           tmp_path / "a-file" / "out", "--timeout", "20")])
+    assert result.returncode == 2, result.stderr
+    assert "error: --out" in result.stderr and "cannot write there" in result.stderr
+
+
 def test_a_fresh_run_stopped_says_to_resume_without_fresh(cifar_dir, tmp_path):
     """With --fresh the same command would start over again, throwing away the checkpoint the
     stop just wrote: the line says to drop it, and without it the run resumes."""
@@ -277,6 +290,29 @@ def test_async_sgd_worker_death_does_not_hang_the_server(cifar_dir, tmp_path):
     assert state(out)["extra"]["updates"] >= int(rows(out)[-1].split(",")[9])
     assert int(rows(out)[-1].split(",")[9]) % 24 == 0  # 96 samples per worker / batch 8 x 2
     assert state(out)["epoch"] == len(rows(out)) == len(state(out)["rows"])
+
+
+def test_async_worker_gone_after_its_part_leaves_a_complete_run(cifar_dir, tmp_path):
+    """Worker 2 finishes long before the slowed worker 1, and is killed while it waits to be
+    released: the run is complete all the same, so the server ends with 0 (a traceback and 1
+    before), saying which worker it could not release."""
+    out = tmp_path / "async"
+    args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--train-limit", "192", "--batch-size",
+               "8", "--epochs", "1", "--straggler-delay", "1", "--timeout", "60")
+    server, *workers = async_group(args)
+    try:
+        wait_for(lambda: os.path.exists(out / "config.json") or server.poll() is not None,
+                 what="training to start")
+        time.sleep(12)  # worker 2's 24 batches are done; worker 1 has done about 12 of its 24
+        assert server.poll() is None, "the run ended before worker 2 was killed"
+        workers[1].kill()
+        stdout, stderr = server.communicate(timeout=TIMEOUT)
+    finally:
+        for p in [server, *workers]:
+            p.kill()
+    assert server.returncode == 0, stderr
+    assert "worker 2: gone before it was released" in stdout, stdout
+    assert [line.split(",")[0] for line in rows(out)] == ["1"]
 
 
 @pytest.mark.parametrize("where", ["isend", "wait"])
@@ -685,6 +721,39 @@ def test_a_pull_of_more_than_the_gap(tmp_path, cifar_dir):
     assert result.returncode == 2
     one_error_line(result, "--pull 1.5 is more than 1")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", ["sync_sgd_cifar100.py", "async_sgd_cifar100.py"])
+def test_ranks_started_with_another_recipe_stop_in_one_line_each(cifar_dir, tmp_path, script):
+    """A wrapper that gives one rank another --seed made its shard overlap the others' (the
+    run ended 0, silently wrong); another --batch-size crashed gloo. Every rank says so now."""
+    args = cmd(script, cifar_dir, tmp_path / "out")
+    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                    WORLD_SIZE=str(3 if script.startswith("async") else 2))
+    others = [start(args + (["--seed", "5"] if rank == 1 else []), RANK=str(rank), **contract)
+              for rank in range(1, int(contract["WORLD_SIZE"]))]
+    result = run(args, RANK="0", **contract)
+    outputs = [proc.communicate(timeout=TIMEOUT) for proc in others]
+    assert result.returncode == 2 and all(p.returncode == 2 for p in others), outputs
+    one_error_line(result, "rank 0: another rank was started with other flags")
+    one_error_line(SimpleNamespace(returncode=2, stderr=outputs[0][1]),
+                   "rank 1: --seed is 5 here but 0 on rank 0")
+
+
+def test_a_resume_on_another_number_of_ranks_is_refused(cifar_dir, tmp_path):
+    """The shards, the per-rank batch (--batch-size // ranks) and a stopped epoch's place in
+    them depend on the world: a run of 1 process is not silently resumed on 2."""
+    out = tmp_path / "out"
+    assert run(cmd("sync_sgd_cifar100.py", cifar_dir, out, "--epochs", "1")).returncode == 0
+    before = digest(out)
+    args = cmd("sync_sgd_cifar100.py", cifar_dir, out, "--epochs", "2")
+    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    other = start(args, RANK="1", **contract)
+    result = run(args, RANK="0", **contract)
+    other.communicate(timeout=TIMEOUT)
+    assert result.returncode == 2 and other.returncode == 2, result.stderr
+    one_error_line(result, "that run had 1 processes, this one has 2", "--fresh")
+    assert digest(out) == before
 
 
 def test_batch_smaller_than_world_size(cifar_dir, tmp_path):
