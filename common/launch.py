@@ -12,6 +12,9 @@ Launchers recognised (first match wins):
 * a Kubeflow Trainer v2 TrainJob whose command is plain ``python`` (not torchrun): the PET_*
   variables torchrun would read, one process per node;
 * nothing: a world of 1.
+
+Over 250 lines because each launcher's variables, and the address the other hosts reach this
+one by, are read and checked here, each way they can be wrong one clear line.
 """
 import fcntl
 import ipaddress
@@ -51,8 +54,23 @@ class Launch:
 
 
 def detect_launch(env=None):
-    """What started this process, and this process's place in the world."""
+    """What started this process, and this process's place in the world; launcher variables
+    set by hand that are no numbers, or out of range, as one line."""
     env = os.environ if env is None else env
+    try:
+        launch = _detect(env)
+    except ValueError as exc:  # int() of RANK=x, MASTER_PORT=abc, ...
+        raise UserError(f"a launcher variable is not a whole number ({exc}); check RANK, "
+                        "WORLD_SIZE, LOCAL_RANK and MASTER_PORT (PET_* for a TrainJob)") from None
+    if not 0 <= launch.rank < launch.world_size or launch.local_rank < 0 \
+            or not 0 < launch.master_port < 65536:
+        raise UserError(f"{launch.launcher}: rank {launch.rank} of world {launch.world_size}, "
+                        f"local rank {launch.local_rank}, port {launch.master_port}: out of "
+                        "range; check RANK, WORLD_SIZE, LOCAL_RANK and MASTER_PORT")
+    return launch
+
+
+def _detect(env):
     if "RANK" in env and "WORLD_SIZE" in env:
         name = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "environment (PyTorchJob)"
         if "MASTER_ADDR" not in env:

@@ -226,6 +226,17 @@ def test_torchrun_variables():
     assert (launch.launcher, launch.rank, launch.local_rank) == ("torchrun", 5, 1)
 
 
+@pytest.mark.parametrize("bad", [{"RANK": "x"}, {"MASTER_PORT": "abc"}, {"WORLD_SIZE": "0"},
+                                 {"RANK": "-1"}, {"RANK": "2"}, {"MASTER_PORT": "99999"},
+                                 {"LOCAL_RANK": "-1"}])
+def test_launcher_variables_set_wrong_by_hand_are_one_line(bad):
+    """Not a traceback (int(), or torch's ValueError) nor a wait of --timeout (RANK 2 of 2)."""
+    env = dict({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400", "WORLD_SIZE": "2",
+                "RANK": "0"}, **bad)
+    with pytest.raises(UserError, match="RANK|WORLD_SIZE|MASTER_PORT"):
+        detect_launch(env)
+
+
 def test_trainjob_started_as_plain_python_reads_the_pet_variables():
     launch = detect_launch({"PET_NNODES": "3", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "2",
                             "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400"})
