@@ -100,12 +100,12 @@ class StopRequest:
     where the process has nothing to save and cannot reach the loop that polls.
 
     A pod eviction, a PBS or Slurm walltime warning, torchrun stopping its workers, Ctrl-C and
-    `kill -USR1 <mpirun's pid>` all send one of these.  The training loop polls `signum` between steps, writes a checkpoint
-    and exits with status 128 + signal.  The signal is also written to a pipe
-    (`signal.set_wakeup_fd`) that a watcher thread reads: inside `waiting(...)`, a phase that
-    waits on other processes with nothing to save yet (start-up), the watcher ends the process
-    at once with one line, and ends it as well when the phase outlasts its time limit.  A
-    second signal ends the process at once wherever it is.
+    `kill -USR1 <mpirun's pid>` all send one of these.  The training loop polls `signum`
+    between steps, writes a checkpoint and exits with status 128 + signal.  The signal is also
+    written to a pipe (`signal.set_wakeup_fd`) that a watcher thread reads: inside
+    `waiting(...)`, a phase that waits on other processes with nothing to save yet (start-up),
+    the watcher ends the process at once with one line, and ends it as well when the phase
+    outlasts its time limit.  A second signal ends the process at once wherever it is.
     """
 
     def __init__(self):
