@@ -82,7 +82,8 @@ class Comm:
         every rank otherwise (the differing rank's names the flag)."""
         if self.world_size == 1:
             return
-        differ = recipe_difference(self.broadcast_state(vars(args)), vars(args), RANK_FLAGS)
+        ours = vars(args)
+        differ = recipe_difference(self.broadcast_state(ours), ours, set(ours) - RANK_FLAGS)
         anyone = torch.tensor([float(differ is not None)], device=self.device())
         dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
         if differ:

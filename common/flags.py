@@ -173,12 +173,10 @@ EVALUATED_WITH = {"dataset", "image_size"}
 RANK_FLAGS = RUN_FLAGS - {"epochs", "evaluate"}
 
 
-def recipe_difference(theirs, ours, allowed=RUN_FLAGS, compared=None):
-    """The first flag outside `allowed` (only those in `compared`, if given) whose value in
-    `theirs` differs from `ours` (dicts of flags), as "--name", theirs, ours; or None.  Flags
-    one of them lacks are not compared."""
-    both = set(theirs) & set(ours)
-    for name in sorted(both & compared if compared is not None else both - allowed):
+def recipe_difference(theirs, ours, names):
+    """The first of the flags `names` whose value in `theirs` differs from `ours` (dicts of
+    flags), as "--name", theirs, ours; or None.  Flags one of them lacks are not compared."""
+    for name in sorted(set(names) & set(theirs) & set(ours)):
         if theirs[name] != ours[name]:
             then, now = ("unset" if v is None else v for v in (theirs[name], ours[name]))
             return f"--{name.replace('_', '-')}", then, now
@@ -188,8 +186,8 @@ def recipe_difference(theirs, ours, allowed=RUN_FLAGS, compared=None):
 def check_same_recipe(path, saved, args):
     """Refuse, in one line, the checkpoint `path` of a run (its flags `saved`) whose recipe
     differs from this command's (`args`, a dict); with --evaluate, only its data."""
-    differ = recipe_difference(saved, args, compared=EVALUATED_WITH if args.get("evaluate")
-                               else None)
+    differ = recipe_difference(saved, args, EVALUATED_WITH if args.get("evaluate")
+                               else set(args) - RUN_FLAGS)
     if differ:
         raise UserError(f"{path}: {differ[0]} was {differ[1]} in that run, here {differ[2]}; "
                         "resume with that run's flags, or start over with --fresh (or another "

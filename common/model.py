@@ -150,6 +150,7 @@ def load_imagenet_state_dict(arch, path=None):
     if path is not None:
         return _read_state_dict(path, arch)
     weights = imagenet_weights(arch)
+    cached = os.path.join(hub_checkpoint_dir(), weights_file(arch))  # where torchvision reads it
     try:
         # weights_only: a file someone put in the hub cache must not run code (torch.hub's
         # default is False; check_hash only applies to a fresh download).
@@ -157,11 +158,10 @@ def load_imagenet_state_dict(arch, path=None):
             warnings.simplefilter("ignore")
             return weights.get_state_dict(progress=False, check_hash=True, weights_only=True)
     except pickle.UnpicklingError:
-        raise UserError(f"{os.path.join(hub_checkpoint_dir(), weights_file(arch))}: refused: "
-                        "not a plain state_dict (it could run code); delete it and copy "
-                        f"{weights_file(arch)} from {weights.url} there") from None
+        raise UserError(f"{cached}: refused: not a plain state_dict (it could run code); "
+                        f"delete it and copy {weights_file(arch)} from {weights.url} "
+                        "there") from None
     except (OSError, RuntimeError) as exc:  # URLError is an OSError
-        cached = os.path.join(hub_checkpoint_dir(), weights_file(arch))
         if os.path.isfile(cached):  # there, but not readable: truncated, say
             raise UserError(f"{cached}: unreadable ({exc.__class__.__name__}); delete it and copy "
                             f"{weights_file(arch)} from {weights.url} there, or pass --weights "

@@ -1,7 +1,12 @@
 """What several test modules need: the repository root, a child's environment, argv parsing."""
 import os
+import shutil
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Open MPI's mpirun: the one pip installed beside this Python first, else one on PATH (or None)
+MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
+                      + os.environ.get("PATH", ""))
 
 
 def child_env(**extra):

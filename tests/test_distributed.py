@@ -5,7 +5,6 @@ import os
 import pickle
 import random
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,10 +21,8 @@ from common.distributed import Comm, import_before_init, pack_state, unpack_stat
 from common.launch import Launch, check_torchrun_master, detect_launch, free_port
 from common.loader import DeviceLoader
 from common.process import UserError
-from helpers import ROOT, child_env
+from helpers import MPIRUN, ROOT, child_env
 
-MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
-                      + os.environ.get("PATH", ""))
 TIMEOUT = 240  # no distributed test may hang
 
 

@@ -22,7 +22,7 @@ import resnet_cifar100
 from common import checkpoint
 from common.launch import free_port
 from datagen import make_cifar100, make_tinyimagenet
-from helpers import ROOT, child_env
+from helpers import MPIRUN, ROOT, child_env
 
 TIMEOUT = 240
 
@@ -164,11 +164,10 @@ def test_signal_finishes_the_step_checkpoints_and_exits_for_retry(cifar_dir, tmp
 def test_bad_input_on_one_rank_under_mpirun_ends_the_job_with_2(cifar_dir, tmp_path):
     """Only rank 0 claims --out: when it cannot, Open MPI used to leave the other rank waiting
     out --timeout and then report its retryable 200, which an MPIJob restarts for ever."""
-    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable))
-    if mpirun is None:
-        pytest.skip("no mpirun beside this Python (pip install -r requirements-dev.txt)")
+    if MPIRUN is None:
+        pytest.skip("no mpirun (pip install -r requirements-dev.txt)")
     (tmp_path / "a-file").write_text("")
-    result = run([mpirun, "-np", "2", *cmd("sync_sgd_cifar100.py", cifar_dir,
+    result = run([MPIRUN, "-np", "2", *cmd("sync_sgd_cifar100.py", cifar_dir,
                                            tmp_path / "a-file" / "out", "--timeout", "20")])
     assert result.returncode == 2, result.stderr
     assert "error: --out" in result.stderr and "cannot write there" in result.stderr
@@ -197,11 +196,10 @@ def test_usr1_to_mpirun_stops_every_rank_after_its_step_and_the_run_resumes(cifa
     """Open MPI's mpirun turns a Ctrl-C into a SIGTERM to the ranks and kills them a quarter
     of a second later, too soon to save; SIGUSR1 it forwards as it is: both ranks stop at the
     same step, the checkpoint holds it, and the same command resumes there."""
-    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable))
-    if mpirun is None:
-        pytest.skip("no mpirun beside this Python (pip install -r requirements-dev.txt)")
+    if MPIRUN is None:
+        pytest.skip("no mpirun (pip install -r requirements-dev.txt)")
     out = tmp_path / "out"
-    args = [mpirun, "-np", "2", *cmd("sync_sgd_cifar100.py", cifar_dir, out, "--dummy",
+    args = [MPIRUN, "-np", "2", *cmd("sync_sgd_cifar100.py", cifar_dir, out, "--dummy",
                                      "--train-limit", "1536", "--batch-size", "8", "--epochs",
                                      "1")]  # 192 steps: --dummy, as the generated set is 200
     proc = start(args)

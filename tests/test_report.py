@@ -15,10 +15,8 @@ from PIL import Image
 import report
 from common import outputs
 from common.process import UserError
-from helpers import ROOT, child_env
+from helpers import MPIRUN, ROOT, child_env
 
-MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
-                      + os.environ.get("PATH", ""))
 TIMEOUT = 240
 TINY = ["--train-limit", "32", "--test-limit", "16", "--batch-size", "16", "--device", "cpu",
         "--no-amp"]

@@ -13,10 +13,8 @@ from common.data import read_imagefolder
 from common.loader import FolderLoader
 from common.model import build_model
 from datagen import tiny_label_from_image
-from helpers import ROOT, child_env
+from helpers import MPIRUN, ROOT, child_env
 
-MPIRUN = shutil.which("mpirun", path=os.path.dirname(sys.executable) + os.pathsep
-                      + os.environ.get("PATH", ""))
 
 
 def resnet50_args(folder, out, *extra):
