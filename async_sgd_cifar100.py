@@ -47,7 +47,9 @@ them: a faster worker makes more of them. --dc-lambda (delay compensation, DC-AS
 import argparse
 import itertools
 import math
+import queue
 import signal
+import threading
 import time
 
 import torch
@@ -250,19 +252,86 @@ def stop_error(status, rank, args):
     return NonFiniteLoss(f"worker {rank}: stopped by the parameter server (non-finite loss)")
 
 
-def released(proc):
-    """After DONE, wait for the server's word that the outputs are written (0: success)."""
+def released(proc, args):
+    """After DONE, wait for the server's word that the outputs are written, for as long as the
+    other workers train; a stop if it says the run stopped (a worker lost, a signal) or dies
+    before it says: the run is not complete, and a launcher that restarts failed ranks must
+    restart this one too, for the group to meet again."""
     status = torch.zeros(1)
     try:
-        dist.recv(status, src=0)
-    except RuntimeError as exc:  # this worker's part is done either way
-        print(f"worker {proc.rank}: done, but the server did not release it "
-              f"({distributed.failure_line(exc, 100)})", flush=True)
-        return False
-    return status.item() == 0
+        distributed.recv_without_timeout(status, 0)
+    except RuntimeError as exc:
+        if not distributed.is_peer_failure(exc):
+            raise
+        raise PeerLost(f"worker {proc.rank}: done, but the parameter server stopped before it "
+                       f"said the run was complete ({distributed.failure_line(exc, 100)}); "
+                       f"{training.to_resume(args)}") from None
+    if status.item() != 0:
+        raise stop_error(int(status.item()), proc.rank, args)
 
 
 # ----------------------------------------------------------------------------------- server
+
+class Inbox:
+    """The server's receiving end: whichever worker's message arrives first, and which worker
+    is lost, the moment its connection breaks or once it has sent nothing for --timeout.
+
+    With gloo, a thread per worker waits in a receive from that worker alone and hands each
+    message over in the order they arrive.  (A receive from any source cannot say which worker
+    is gone: it went on serving the others while a killed, hung or cut-off worker's shard went
+    untrained, until they had finished and --timeout had passed.)  Each thread receives once
+    the server `expect`s that worker's next message, after replying to its last, into a buffer
+    of its own.  The --timeout is kept here, not by gloo, which closes every pair of the group
+    when one receive times out: the others can still be told to stop."""
+
+    def __init__(self, workers, size, timeout, threaded=True):
+        self.arrived, self.timeout, self.threaded = queue.Queue(), timeout, threaded
+        self.messages = {w: torch.zeros(size) for w in workers}
+        self.allowed = {w: threading.Semaphore(0) for w in workers}  # receive its next now
+        self.due = {}  # the time by which each expected worker's next message must come
+        for w in workers:
+            self.expect(w)
+            if threaded:
+                threading.Thread(target=self.receive, args=(w,), daemon=True).start()
+
+    def receive(self, worker):
+        while True:
+            self.allowed[worker].acquire()
+            try:
+                distributed.recv_without_timeout(self.messages[worker], worker)
+            except RuntimeError as exc:  # it died (gloo's error says so)
+                self.arrived.put((worker, exc))
+                return
+            self.arrived.put((worker, None))
+
+    def expect(self, worker):
+        """Receive `worker`'s next message (its buffer is free again) within --timeout."""
+        self.due[worker] = time.monotonic() + self.timeout
+        self.allowed[worker].release()
+
+    def next(self):
+        """(worker, its message, None), or (worker, None, why it is lost): the error its
+        receive failed with, or a TimeoutError.  Without threads the worker may be None."""
+        if not self.threaded:  # one receive from any source, with gloo's timeout
+            message = next(iter(self.messages.values()))
+            try:
+                return dist.recv(message), message, None
+            except RuntimeError as exc:
+                return None, None, exc
+        while True:
+            late = min(self.due, key=self.due.get)
+            try:
+                worker, error = self.arrived.get(timeout=max(self.due[late] - time.monotonic(),
+                                                             0))
+            except queue.Empty:
+                if time.monotonic() < self.due[late]:
+                    continue
+                del self.due[late]
+                return late, None, TimeoutError(f"it sent nothing for --timeout "
+                                                f"{self.timeout:g} s")
+            del self.due[worker]
+            return worker, None if error else self.messages[worker], error
+
 
 class Server:
     """Holds the parameters, applies each gradient as it arrives, evaluates every epoch."""
@@ -332,6 +401,8 @@ class Server:
                                 else torch.zeros_like(self.theta))
             self.scratch = (torch.empty_like(self.theta), torch.empty_like(self.theta))
         self.pending, self.sent_version = {}, {w: self.version for w in self.workers}
+        self.gone = set()  # the workers lost: a reply to one may never complete
+        self.broken = False  # no worker can be told anything more
         self.applied = {w: 0 for w in self.workers}
         self.statistics = {}  # each worker's latest BatchNorm running statistics
         # a run stopped inside an epoch goes on with that epoch's bookkeeping
@@ -433,8 +504,9 @@ class Server:
         self.sent_version[worker] = self.version
 
     def serve(self):
-        """Serve until every worker is done, stopped, or silent for --timeout seconds."""
-        message = torch.zeros(self.layout.message_size)
+        """Serve until every worker is done or stopped, or one is lost."""
+        inbox = Inbox(self.workers, self.layout.message_size, self.args.timeout,
+                      threaded=dist.get_backend() == "gloo")
         active, finished, failure = set(self.workers), {}, None
         waiting = []  # --in-turn: the workers whose replies are held, in the order they came
         while active:
@@ -443,21 +515,20 @@ class Server:
                 if failure is not None:  # stopping: if it is gone too, the first reason stands
                     active.discard(worker)
                     self.send(worker, failure.exit_code)
-                    continue
-                failure = self.send(worker, self.go_on(worker))
-                if failure is not None:
-                    break
+                else:
+                    failure = self.answer(worker, inbox, active)
                 continue
-            try:
-                worker = dist.recv(message)  # from whichever worker sends first
-            except RuntimeError as exc:
-                if not distributed.is_peer_failure(exc):
-                    raise
-                failure = PeerLost(
-                    f"the parameter server lost worker(s) {sorted(active)} before they finished: "
-                    f"one died, or sent nothing for --timeout {self.args.timeout:g} s "
-                    f"({distributed.failure_line(exc, 100)}); {self.saved()}")
-                break
+            worker, message, error = inbox.next()  # from whichever worker sends first
+            if error is not None:  # that worker died, or sent nothing for --timeout
+                if not (isinstance(error, TimeoutError) or distributed.is_peer_failure(error)):
+                    raise error
+                if worker is None:  # a receive from any source (mpi): no one to name or tell
+                    failure, self.broken = failure or self.lost(sorted(active), error), True
+                    break
+                failure = failure or self.lost([worker], error)
+                active.discard(worker)  # the others are told at their next gradient
+                self.gone.add(worker)
+                continue
             begin = time.perf_counter()
             kind = message[0].item()
             self.computing.discard(worker)  # its gradient is here (or it is done)
@@ -475,14 +546,32 @@ class Server:
             if self.args.in_turn:  # its reply waits until no other worker computes
                 waiting.append(worker)
             else:
-                failure = self.send(worker, self.go_on(worker))
-                if failure is not None:
-                    break
+                failure = self.answer(worker, inbox, active)
             self.last_update = time.perf_counter()
             self.busy += self.last_update - begin
             if self.version % self.updates_per_epoch == 0:
                 self.end_epoch()
         self.finish(finished, failure)
+
+    def answer(self, worker, inbox, active):
+        """Reply to `worker` to go on (or, with --share-work, to finish) and expect its next
+        message; if it is gone, it leaves `active` and the PeerLost to stop with is returned."""
+        failure = self.send(worker, self.go_on(worker))
+        if failure is None:
+            inbox.expect(worker)
+        else:
+            active.discard(worker)
+            self.gone.add(worker)
+        return failure
+
+    def lost(self, workers, error):
+        """The PeerLost to stop with: a worker died, or sent nothing for --timeout."""
+        which = f"worker {workers[0]}" if len(workers) == 1 else f"one of workers {workers}"
+        why = (str(error) if isinstance(error, TimeoutError) else
+               f"it died, or sent nothing for --timeout {self.args.timeout:g} s "
+               f"({distributed.failure_line(error, 100)})")
+        return PeerLost(f"the parameter server lost {which} before the run's end: {why}; "
+                        f"{self.saved()}")
 
     def send(self, worker, status):
         """reply(), or the PeerLost to stop with if `worker` is gone."""
@@ -491,8 +580,7 @@ class Server:
         except RuntimeError as exc:
             if not distributed.is_peer_failure(exc):
                 raise
-            return PeerLost(f"the parameter server lost worker {worker} "
-                            f"({distributed.failure_line(exc, 100)}); {self.saved()}")
+            return self.lost([worker], exc)
         return None
 
     def check(self, kind, message):
@@ -575,7 +663,9 @@ class Server:
                 f"{training.to_resume(self.args)}")
 
     def finish(self, finished, failure):
-        for request in self.pending.values():
+        for worker, request in self.pending.items():
+            if self.broken or worker in self.gone:  # it may never complete
+                continue
             try:
                 request.wait()
             except RuntimeError as exc:
@@ -592,7 +682,7 @@ class Server:
         if isinstance(failure, (Interrupted, PeerLost)):
             self.average_statistics()
             self.save()  # the completed epochs' rows, the model as it is now
-        if not isinstance(failure, PeerLost):  # after a timeout gloo has closed every pair
+        if not self.broken:
             status = torch.tensor([0.0 if failure is None else failure.exit_code])
             for worker in finished:
                 try:
@@ -725,8 +815,8 @@ def main(argv=None):
                     raise
                 raise PeerLost(f"worker {proc.rank} lost the parameter server "
                                f"({distributed.failure_line(exc)})") from None
-            if released(proc):
-                comm.finish()
+            released(proc, args)
+            comm.finish()
     finally:
         comm.close()
 

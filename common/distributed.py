@@ -32,7 +32,21 @@ def is_peer_failure(exc):
         return True
     text = str(exc)
     return any(marker in text for marker in (
-        "gloo", "Connection reset", "Connection closed", "Timed out", "NCCL", "timed out"))
+        "gloo", "Connection reset", "Connection closed", "Timed out", "NCCL", "timed out",
+        "pair closure"))
+
+
+def closed_by_peer(exc):
+    """Did it fail because the other end's connection closed (the process died), rather than
+    a timeout (after which gloo closes every pair of the group)?"""
+    return any(marker in str(exc) for marker in ("Connection closed", "Connection reset"))
+
+
+def recv_without_timeout(tensor, src):
+    """A receive that waits as long as it takes: the sender's death still ends it at once (its
+    connection closes), but not --timeout, which the caller keeps if it needs one (after one
+    receive times out, gloo closes every pair of the group)."""
+    dist.irecv(tensor, src=src).wait(datetime.timedelta(days=365))
 
 
 def failure_line(exc, limit=160):

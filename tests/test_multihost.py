@@ -211,3 +211,44 @@ def test_a_cut_link_ends_every_rank_in_time_and_the_same_command_resumes(hosts, 
         assert code == 0, stdout + stderr
     assert f"resumed from {out / 'checkpoint.pt'} after epoch 1" in results[0][1]
     assert epochs(out) == [1, 2]
+
+
+def test_async_sgd_a_cut_off_worker_stops_the_run_in_time_and_the_same_command_resumes(
+        hosts, cifar_dir, tmp_path):
+    """The server and worker 1 on one host, worker 2 on the other; the link is cut during an
+    epoch.  The server names worker 2 after --timeout of its silence and tells worker 1 to
+    stop then: before, it served worker 1 alone to the end of its epochs, wrote their rows
+    from half the data, and released it as if the run were done.  Worker 2, cut off, stops
+    after its own --timeout.  Once the link is back the same command finishes the run, each
+    epoch once and every update made."""
+    out = tmp_path / "async"
+    # 2 workers x 96 samples in batches of 4: 24 batches each, 48 updates an epoch
+    args = script_args("async_sgd_cifar100.py", cifar_dir, out, "--train-limit", "192",
+                       "--batch-size", "8", "--epochs", "8", "--timeout", "3")
+    procs = pytorchjob(hosts, args, 29550, placement=(0, 0, 1))
+    try:
+        deadline = time.time() + TIMEOUT
+        while not epochs(out) and all(p.poll() is None for p in procs):
+            assert time.time() < deadline, "epoch 1 never ended"
+            time.sleep(0.05)
+        hosts.link("down")
+        cut = time.time()
+        results = finish(procs)
+        assert time.time() - cut < 3 + 20  # --timeout, and a margin
+    finally:
+        hosts.link("up")
+    for code, stdout, stderr in results:
+        assert code == 200, stdout + stderr  # retryable
+    (_, _, server), (_, _, survivor), (_, _, cut_off) = results
+    assert "the parameter server lost worker 2 before the run's end: it sent nothing for " \
+           "--timeout 3 s" in server, server
+    assert "worker 1: the parameter server lost another worker and stopped" in survivor
+    assert "worker 2 lost the parameter server" in cut_off, cut_off
+    assert len(epochs(out)) < 8, "the cut must land before the run's end"
+
+    results = finish(pytorchjob(hosts, args, 29550, placement=(0, 0, 1)))  # the same command
+    for code, stdout, stderr in results:
+        assert code == 0, stdout + stderr
+    assert epochs(out) == list(range(1, 9))
+    with open(out / "metrics.csv") as f:
+        assert int(list(csv.DictReader(f))[-1]["updates"]) == 8 * 48

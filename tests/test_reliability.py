@@ -275,7 +275,7 @@ def test_async_sgd_worker_death_does_not_hang_the_server(cifar_dir, tmp_path):
         workers[1].kill()
         _, stderr = server.communicate(timeout=TIMEOUT)
         assert server.returncode == 200, stderr  # retryable: the same command resumes
-        assert "lost worker(s) [" in stderr and "saved the model after" in stderr
+        assert "lost worker 2 before the run's end" in stderr and "saved the model after" in stderr
         # The survivor ends too: released (0), or told the server is gone (200) if worker 2
         # died in the middle of a message and left the server's receive unable to finish.
         assert workers[0].wait(timeout=60) in (0, 200)
@@ -288,6 +288,75 @@ def test_async_sgd_worker_death_does_not_hang_the_server(cifar_dir, tmp_path):
     assert state(out)["extra"]["updates"] >= int(rows(out)[-1].split(",")[9])
     assert int(rows(out)[-1].split(",")[9]) % 24 == 0  # 96 samples per worker / batch 8 x 2
     assert state(out)["epoch"] == len(rows(out)) == len(state(out)["rows"])
+
+
+def lone_worker_group(cifar_dir, out, *extra):
+    """A server and two workers of a long run (40 epochs of 48 updates) with worker 1 slowed
+    (half a second after each step, when it has its reply and computes nothing): one of its
+    sleeps is where it is lost.  Returns the group once epoch 1 is written."""
+    args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--train-limit", "192", "--batch-size",
+               "8", "--epochs", "40", "--straggler-delay", "0.5", *extra)
+    group = async_group(args)
+    wait_for(lambda: os.path.exists(out / "curve.png") or group[0].poll() is not None,
+             what="epoch 1")
+    time.sleep(0.3)
+    return group
+
+
+def stopped_for_its_lost_worker(group, limit):
+    """The server and worker 2 after worker 1 was lost: each exits with the retryable 200 and
+    one line within `limit` seconds, the server naming worker 1, worker 2 saying why it was
+    told to stop.  (Serving worker 2 to the end of its 40 epochs would take minutes.)"""
+    try:
+        _, server_err = group[0].communicate(timeout=limit)
+        _, worker_err = group[2].communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server went on for {limit} s without its lost worker")
+    assert group[0].returncode == 200 and group[2].returncode == 200, server_err + worker_err
+    assert len(server_err.strip().splitlines()) == 1, server_err
+    assert "error: worker 2: the parameter server lost another worker and stopped" in worker_err
+    return server_err
+
+
+def test_async_server_notices_a_killed_worker_at_once(cifar_dir, tmp_path):
+    """A worker killed while it computes (no message of its on the way) leaves the server's
+    receive from any source waiting on: the server served the other worker to the end of its
+    epochs, then waited --timeout (600 s) before it stopped.  Its own receive from that worker
+    fails at once: the server stops, tells worker 2 why, and keeps what it had."""
+    out = tmp_path / "async"
+    group = lone_worker_group(cifar_dir, out)
+    try:
+        epochs_then = len(rows(out))
+        group[1].kill()
+        stderr = stopped_for_its_lost_worker(group, limit=60)
+    finally:
+        for p in group:
+            p.kill()
+    assert "lost worker 1 before the run's end: it died" in stderr, stderr
+    assert len(rows(out)) <= epochs_then + 1
+    saved = state(out)["extra"]
+    assert sum(saved["positions"]) == saved["updates"]  # where each worker resumes
+
+
+def test_async_server_stops_for_a_hung_worker_after_timeout(cifar_dir, tmp_path):
+    """A worker that stops answering (SIGSTOP: hung, or its host cut off) while the other goes
+    on: the server served the other to the end of its 40 epochs before its receive from any
+    source timed out.  Now the hung worker is named after --timeout of silence, and the other
+    is told to stop then (gloo's own timeout would have closed every pair at once)."""
+    out = tmp_path / "async"
+    group = lone_worker_group(cifar_dir, out, "--timeout", "5")
+    try:
+        epochs_then = len(rows(out))
+        group[1].send_signal(signal.SIGSTOP)
+        began = time.time()
+        stderr = stopped_for_its_lost_worker(group, limit=60)
+        assert 5 <= time.time() - began
+    finally:
+        for p in group:
+            p.kill()
+    assert "lost worker 1 before the run's end: it sent nothing for --timeout 5 s" in stderr
+    # worker 2 went on alone for those 5 s: at most a few epoch-equivalents of updates
+    assert len(rows(out)) <= epochs_then + 4, rows(out)
 
 
 def test_async_worker_gone_after_its_part_leaves_a_complete_run(cifar_dir, tmp_path):
@@ -345,15 +414,18 @@ def test_async_server_stopping_keeps_its_reason_and_checkpoint_when_a_worker_is_
         replies[dst] = tensor[0].item()
         return Reply(fails=dst == 1)
 
-    order = iter([1, 2])  # a gradient from each, in that order
+    class Inbox:  # a gradient from each, in that order
+        def __init__(self, workers, size, *_, **__):
+            self.order, self.size = iter([1, 2]), size
 
-    def recv(message):
-        message.zero_()
-        message[:4] = torch.tensor([async_sgd_cifar100.GRADIENT, 4.0, 1.0, 5.0])
-        return next(order)
+        def next(self):
+            message = torch.zeros(self.size)
+            message[:4] = torch.tensor([async_sgd_cifar100.GRADIENT, 4.0, 1.0, 5.0])
+            return next(self.order), message, None
 
     monkeypatch.setattr(async_sgd_cifar100.dist, "isend", isend)
-    monkeypatch.setattr(async_sgd_cifar100.dist, "recv", recv)
+    monkeypatch.setattr(async_sgd_cifar100.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(async_sgd_cifar100, "Inbox", Inbox)
     with pytest.raises(async_sgd_cifar100.Interrupted) as stopped:
         server.serve()
     assert stopped.value.exit_code == 128 + signal.SIGTERM
