@@ -11,6 +11,7 @@ Over 250 lines because each collective the scripts use must tell a lost peer fro
 the start-up wait to the last barrier, and that is one concern held in one place.
 """
 import datetime
+import functools
 import io
 import os
 import sys
@@ -67,6 +68,23 @@ def resolve_backend(name, device):
     return name
 
 
+def start_up_collective(method):
+    """A collective of the start-up (the recipe check, the checkpoint, the first weights),
+    where a rank that stopped before training began (bad input there, a crash) or went silent
+    ends the others with one line and the retryable exit, not gloo's traceback."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as exc:
+            if not is_peer_failure(exc):
+                raise
+            raise PeerLost(f"rank {self.rank} lost contact with another rank before training "
+                           f"began ({failure_line(exc)}); that rank's own output says why; "
+                           "the same command tries again") from None
+    return guarded
+
+
 class Comm:
     """The collectives the scripts use; with a world of 1 each is a no-op."""
 
@@ -90,6 +108,7 @@ class Comm:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
             else torch.device("cpu")
 
+    @start_up_collective
     def check_same_flags(self, args):
         """Every rank runs rank 0's recipe: a wrapper that gives one rank another --seed would
         silently overlap the shards, another --batch-size break a collective.  One line on
@@ -108,6 +127,7 @@ class Comm:
                             "rank 0 (its line names the flag); start every rank with the same "
                             "flags")
 
+    @start_up_collective
     def broadcast_state(self, obj, src=0):
         """Rank `src`'s plain data (what a checkpoint holds) on every rank, as torch.save writes
         it, read with weights_only.  Not broadcast_object_list: it pickles each tensor with its
@@ -124,6 +144,7 @@ class Comm:
         dist.broadcast(data, src=src)
         return obj if self.rank == src else unpack_state(data.cpu())
 
+    @start_up_collective
     def broadcast_parameters(self, model, src=0):
         """Synchronous initialisation: every rank starts from rank `src`'s weights and buffers.
         A collective sends memory as it lies: a channels_last tensor (an async worker's with

@@ -810,6 +810,24 @@ def test_ranks_started_with_another_recipe_stop_in_one_line_each(cifar_dir, tmp_
                    "rank 1: --seed is 5 here but 0 on rank 0")
 
 
+@pytest.mark.parametrize("script", ["sync_sgd_cifar100.py", "async_sgd_cifar100.py"])
+def test_a_rank_that_stops_before_training_ends_the_others_in_one_line(cifar_dir, tmp_path,
+                                                                        script):
+    """The last rank has no data on its host (a ranks-by-hand or torchrun start, no MPI_Abort
+    to end the job): it says so, and rank 0, waiting for it in the first weights' broadcast,
+    ended with gloo's traceback and 1; now it is one line and the retryable 200."""
+    world = 3 if script.startswith("async") else 2
+    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
+    out = tmp_path / "out"
+    others = [start(cmd(script, tmp_path / "nothing" if rank == world - 1 else cifar_dir, out),
+                    RANK=str(rank), **contract) for rank in range(1, world)]
+    result = run(cmd(script, cifar_dir, out), RANK="0", **contract)
+    outputs = [proc.communicate(timeout=TIMEOUT) for proc in others]
+    assert others[-1].returncode == 2 and "CIFAR-100 not found" in outputs[-1][1], outputs
+    assert result.returncode == 200, result.stderr
+    one_error_line(result, "rank 0 lost contact with another rank before training began")
+
+
 def test_a_resume_on_another_number_of_ranks_is_refused(cifar_dir, tmp_path):
     """The shards, the per-rank batch (--batch-size // ranks) and a stopped epoch's place in
     them depend on the world: a run of 1 process is not silently resumed on 2."""
