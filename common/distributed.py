@@ -271,6 +271,10 @@ def start_process_group(backend, launch, timeout, stop=None):
                 dist.init_process_group(backend, init_method=f"tcp://{where}", rank=launch.rank,
                                         world_size=launch.world_size, timeout=limit)
         except (RuntimeError, OSError) as exc:  # DistError, TimeoutError, refused connections
+            if "EADDRINUSE" in str(exc) and os.environ.get("MASTER_PORT"):  # not one we drew
+                raise UserError(f"rank {launch.rank}: MASTER_PORT {launch.master_port} is in use "
+                                f"on this host (another program or run listens there); set "
+                                "MASTER_PORT to a free port") from None
             raise PeerLost(f"rank {launch.rank}: could not start the process group of "
                            f"{launch.world_size} ranks at {where} within --timeout {timeout:g} s "
                            f"({failure_line(exc, 120)}); check that every rank was started and "

@@ -449,6 +449,22 @@ def ranks_alone(cifar_dir, tmp_path, timeout):
             for rank in (0, 1)}
 
 
+def test_a_master_port_in_use_is_bad_input_not_a_lost_peer(cifar_dir, tmp_path):
+    """Rank 0 cannot serve the rendezvous on the MASTER_PORT it was given: another program
+    listens there.  A retry would fail the same way (it said "the same command tries again"
+    with the retryable 200, which an MPIJob or a PyTorchJob restarts for ever): one line
+    naming the port, and 2."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run(cmd("sync_sgd_cifar100.py", cifar_dir, tmp_path / "out", "--timeout", "10"),
+                     RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    assert result.returncode == 2, result.stderr
+    one_error_line(result, f"MASTER_PORT {port} is in use")
+    assert not os.path.exists(tmp_path / "out" / "checkpoint.pt")
+
+
 def test_a_rank_whose_peer_never_starts_exits_after_timeout_with_one_line(cifar_dir, tmp_path):
     began = time.time()
     alone = ranks_alone(cifar_dir, tmp_path, 10)
