@@ -47,9 +47,7 @@ them: a faster worker makes more of them. --dc-lambda (delay compensation, DC-AS
 import argparse
 import itertools
 import math
-import queue
 import signal
-import threading
 import time
 
 import torch
@@ -272,67 +270,6 @@ def released(proc, args):
 
 # ----------------------------------------------------------------------------------- server
 
-class Inbox:
-    """The server's receiving end: whichever worker's message arrives first, and which worker
-    is lost, the moment its connection breaks or once it has sent nothing for --timeout.
-
-    With gloo, a thread per worker waits in a receive from that worker alone and hands each
-    message over in the order they arrive.  (A receive from any source cannot say which worker
-    is gone: it went on serving the others while a killed, hung or cut-off worker's shard went
-    untrained, until they had finished and --timeout had passed.)  Each thread receives once
-    the server `expect`s that worker's next message, after replying to its last, into a buffer
-    of its own.  The --timeout is kept here, not by gloo, which closes every pair of the group
-    when one receive times out: the others can still be told to stop."""
-
-    def __init__(self, workers, size, timeout, threaded=True):
-        self.arrived, self.timeout, self.threaded = queue.Queue(), timeout, threaded
-        self.messages = {w: torch.zeros(size) for w in workers}
-        self.allowed = {w: threading.Semaphore(0) for w in workers}  # receive its next now
-        self.due = {}  # the time by which each expected worker's next message must come
-        for w in workers:
-            self.expect(w)
-            if threaded:
-                threading.Thread(target=self.receive, args=(w,), daemon=True).start()
-
-    def receive(self, worker):
-        while True:
-            self.allowed[worker].acquire()
-            try:
-                distributed.recv_without_timeout(self.messages[worker], worker)
-            except RuntimeError as exc:  # it died (gloo's error says so)
-                self.arrived.put((worker, exc))
-                return
-            self.arrived.put((worker, None))
-
-    def expect(self, worker):
-        """Receive `worker`'s next message (its buffer is free again) within --timeout."""
-        self.due[worker] = time.monotonic() + self.timeout
-        self.allowed[worker].release()
-
-    def next(self):
-        """(worker, its message, None), or (worker, None, why it is lost): the error its
-        receive failed with, or a TimeoutError.  Without threads the worker may be None."""
-        if not self.threaded:  # one receive from any source, with gloo's timeout
-            message = next(iter(self.messages.values()))
-            try:
-                return dist.recv(message), message, None
-            except RuntimeError as exc:
-                return None, None, exc
-        while True:
-            late = min(self.due, key=self.due.get)
-            try:
-                worker, error = self.arrived.get(timeout=max(self.due[late] - time.monotonic(),
-                                                             0))
-            except queue.Empty:
-                if time.monotonic() < self.due[late]:
-                    continue
-                del self.due[late]
-                return late, None, TimeoutError(f"it sent nothing for --timeout "
-                                                f"{self.timeout:g} s")
-            del self.due[worker]
-            return worker, None if error else self.messages[worker], error
-
-
 class Server:
     """Holds the parameters, applies each gradient as it arrives, evaluates every epoch."""
 
@@ -505,8 +442,8 @@ class Server:
 
     def serve(self):
         """Serve until every worker is done or stopped, or one is lost."""
-        inbox = Inbox(self.workers, self.layout.message_size, self.args.timeout,
-                      threaded=dist.get_backend() == "gloo")
+        # a receive open from each worker (a thread each): which one is lost shows at once
+        inbox = distributed.Inbox(self.workers, self.layout.message_size, self.args.timeout)
         active, finished, failure = set(self.workers), {}, None
         waiting = []  # --in-turn: the workers whose replies are held, in the order they came
         while active:
@@ -762,8 +699,8 @@ def main(argv=None):
         raise UserError("async SGD needs at least 2 processes (rank 0 is the parameter server, "
                         "the others are workers); start it with e.g. mpirun -np 3")
     if args.backend not in ("gloo", "mpi"):
-        raise UserError(f"--backend {args.backend}: the parameter server receives from any "
-                        "source, which only gloo and mpi offer; use --backend gloo")
+        raise UserError(f"--backend {args.backend}: the parameter server's messages are CPU "
+                        "tensors, which only gloo and mpi move; use --backend gloo")
     if args.batch_size < n_workers:
         raise UserError(f"--batch-size {args.batch_size} is smaller than the {n_workers} "
                         f"workers; use at least {n_workers} (it is the global batch)")

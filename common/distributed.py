@@ -1,6 +1,6 @@
 """torch.distributed for the scripts: start the process group (within --timeout, through
-torchrun's store when torchrun restarts it), the collectives the scripts use, and telling a
-lost peer from a bug.
+torchrun's store when torchrun restarts it), the collectives the scripts use, the async
+server's receives (`Inbox`), and telling a lost peer from a bug.
 
 The backend is chosen by `resolve_backend`: nccl on CUDA, gloo on CPU.  Under torchrun the
 group meets in torchrun's own store (so that a restarted group meets again), elsewhere over
@@ -14,7 +14,9 @@ import datetime
 import functools
 import io
 import os
+import queue
 import sys
+import threading
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -48,6 +50,69 @@ def recv_without_timeout(tensor, src):
     connection closes), but not --timeout, which the caller keeps if it needs one (after one
     receive times out, gloo closes every pair of the group)."""
     dist.irecv(tensor, src=src).wait(datetime.timedelta(days=365))
+
+
+class Inbox:
+    """Messages from several peers (rank 0's, the async parameter server's), whichever
+    arrives first, and which peer is lost: the moment its connection breaks, or once it has
+    sent nothing for `timeout` seconds since it was expected to.
+
+    With gloo, a thread per peer waits in a receive from that peer alone and hands each
+    message over in the order they arrive.  (A receive from any source cannot say which peer
+    is gone: the server went on serving the other workers while a killed, hung or cut-off
+    worker's shard went untrained, until they had finished and --timeout had passed.)  A
+    thread receives once its peer's next message is `expect`ed (after the reply to its last),
+    into a buffer of its own.  The timeout is kept here, not by gloo, which closes every pair
+    of the group when one receive times out: the others can still be told to stop.  The mpi
+    backend runs one operation at a time, so there it is one receive from any source."""
+
+    def __init__(self, peers, size, timeout):
+        self.arrived, self.timeout = queue.Queue(), timeout
+        self.threaded = dist.get_backend() == "gloo"
+        self.messages = {p: torch.zeros(size) for p in peers}
+        self.allowed = {p: threading.Semaphore(0) for p in peers}  # receive its next now
+        self.due = {}  # the time by which each expected peer's next message must come
+        for p in peers:
+            self.expect(p)
+            if self.threaded:
+                threading.Thread(target=self.receive, args=(p,), daemon=True).start()
+
+    def receive(self, peer):
+        while True:
+            self.allowed[peer].acquire()
+            try:
+                recv_without_timeout(self.messages[peer], peer)
+            except RuntimeError as exc:  # it died (gloo's error says so)
+                self.arrived.put((peer, exc))
+                return
+            self.arrived.put((peer, None))
+
+    def expect(self, peer):
+        """Receive `peer`'s next message (its buffer is free again) within the timeout."""
+        self.due[peer] = time.monotonic() + self.timeout
+        self.allowed[peer].release()
+
+    def next(self):
+        """(peer, its message, None), or (peer, None, why it is lost): the error its receive
+        failed with, or a TimeoutError.  Without threads the peer may be None."""
+        if not self.threaded:  # one receive from any source, with the group's timeout
+            message = next(iter(self.messages.values()))
+            try:
+                return dist.recv(message), message, None
+            except RuntimeError as exc:
+                return None, None, exc
+        while True:
+            late = min(self.due, key=self.due.get)
+            try:
+                peer, error = self.arrived.get(timeout=max(self.due[late] - time.monotonic(), 0))
+            except queue.Empty:
+                if time.monotonic() < self.due[late]:
+                    continue
+                del self.due[late]
+                return late, None, TimeoutError(f"it sent nothing for --timeout "
+                                                f"{self.timeout:g} s")
+            del self.due[peer]
+            return peer, None if error else self.messages[peer], error
 
 
 def failure_line(exc, limit=160):

@@ -386,6 +386,20 @@ MUTANTS = [
            ("tests/test_reliability.py", "-k", "stopping_keeps"),
            "the server, stopping on SIGTERM, answers a worker that has died meanwhile: gloo's "
            "error escapes as a traceback and the checkpoint is never written"),
+    Mutant("async-server-receives-from-any-source", "common/distributed.py",
+           '        self.threaded = dist.get_backend() == "gloo"',
+           "        self.threaded = False",
+           ("tests/test_reliability.py", "-k", "notices_a_killed or hung_worker"),
+           "the server receives from any source, as the slides' loop does: a worker killed or "
+           "hung while it computes goes unnoticed, the others train on without its shard to "
+           "the end of their epochs, and only then does --timeout end the run"),
+    Mutant("async-inbox-keeps-no-timeout", "common/distributed.py",
+           "                peer, error = self.arrived.get(timeout=max(self.due[late] - "
+           "time.monotonic(), 0))",
+           "                peer, error = self.arrived.get()",
+           ("tests/test_reliability.py", "-k", "hung_worker"),
+           "the server waits for each worker without a limit: a hung worker is never named, "
+           "and the others train on without its shard"),
     Mutant("stop-wait-on-a-gone-worker-raises", "async_sgd_cifar100.py",
            "                if failure is None or not (isinstance(failure, PeerLost)\n"
            "                                           or distributed.is_peer_failure(exc)):",

@@ -424,8 +424,7 @@ def test_async_server_stopping_keeps_its_reason_and_checkpoint_when_a_worker_is_
             return next(self.order), message, None
 
     monkeypatch.setattr(async_sgd_cifar100.dist, "isend", isend)
-    monkeypatch.setattr(async_sgd_cifar100.dist, "get_backend", lambda: "gloo")
-    monkeypatch.setattr(async_sgd_cifar100, "Inbox", Inbox)
+    monkeypatch.setattr(async_sgd_cifar100.distributed, "Inbox", Inbox)
     with pytest.raises(async_sgd_cifar100.Interrupted) as stopped:
         server.serve()
     assert stopped.value.exit_code == 128 + signal.SIGTERM
