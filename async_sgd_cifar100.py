@@ -503,12 +503,14 @@ class Server:
 
     def lost(self, workers, error):
         """The PeerLost to stop with: a worker died, or sent nothing for --timeout."""
-        which = f"worker {workers[0]}" if len(workers) == 1 else f"one of workers {workers}"
-        why = (str(error) if isinstance(error, TimeoutError) else
-               f"it died, or sent nothing for --timeout {self.args.timeout:g} s "
-               f"({distributed.failure_line(error, 100)})")
-        return PeerLost(f"the parameter server lost {which} before the run's end: {why}; "
-                        f"{self.saved()}")
+        if isinstance(error, TimeoutError):  # the Inbox's
+            why = f"worker {workers[0]}: {error}"
+        elif len(workers) == 1:  # its own receive failed: its connection closed
+            why = f"worker {workers[0]}: it died ({distributed.failure_line(error, 100)})"
+        else:  # a receive from any source
+            why = (f"one of workers {workers}: one died, or sent nothing for --timeout "
+                   f"{self.args.timeout:g} s ({distributed.failure_line(error, 100)})")
+        return PeerLost(f"the parameter server lost {why}; {self.saved()}")
 
     def send(self, worker, status):
         """reply(), or the PeerLost to stop with if `worker` is gone."""

@@ -15,6 +15,7 @@ import functools
 import io
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -116,9 +117,12 @@ class Inbox:
 
 
 def failure_line(exc, limit=160):
-    """The end of the first line of a collective's error: where the useful part is (gloo and
-    NCCL prefix it with long source locations)."""
-    return str(exc).splitlines()[0][-limit:] if str(exc) else type(exc).__name__
+    """What a collective's error says, in a few words: its first line without the source
+    location gloo puts first or its advice to check the remote logs (the line that quotes it
+    says what happened to whom); if still long, its end, where the useful part is."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically caused")[0]
+    return text[-limit:]
 
 
 def resolve_backend(name, device):
