@@ -40,12 +40,6 @@ def is_peer_failure(exc):
         "pair closure"))
 
 
-def closed_by_peer(exc):
-    """Did it fail because the other end's connection closed (the process died), rather than
-    a timeout (after which gloo closes every pair of the group)?"""
-    return any(marker in str(exc) for marker in ("Connection closed", "Connection reset"))
-
-
 def recv_without_timeout(tensor, src):
     """A receive that waits as long as it takes: the sender's death still ends it at once (its
     connection closes), but not --timeout, which the caller keeps if it needs one (after one
@@ -54,9 +48,9 @@ def recv_without_timeout(tensor, src):
 
 
 class Inbox:
-    """Messages from several peers (rank 0's, the async parameter server's), whichever
-    arrives first, and which peer is lost: the moment its connection breaks, or once it has
-    sent nothing for `timeout` seconds since it was expected to.
+    """The receiving end of a rank that serves several peers (the async parameter server):
+    each message as it arrives, whichever peer sent it, and which peer is lost, the moment its
+    connection breaks or once it has sent nothing for `timeout` seconds since it was expected.
 
     With gloo, a thread per peer waits in a receive from that peer alone and hands each
     message over in the order they arrive.  (A receive from any source cannot say which peer

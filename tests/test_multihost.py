@@ -181,6 +181,13 @@ def test_async_sgd_server_on_one_host_workers_on_both(hosts, cifar_dir, tmp_path
     assert epochs(out) == [1]
 
 
+def wait_for_epoch_1(procs, out):
+    deadline = time.time() + TIMEOUT
+    while not epochs(out) and all(p.poll() is None for p in procs):
+        assert time.time() < deadline, "epoch 1 never ended"
+        time.sleep(0.05)
+
+
 def test_a_cut_link_ends_every_rank_in_time_and_the_same_command_resumes(hosts, cifar_dir,
                                                                          tmp_path):
     out = tmp_path / "partition"
@@ -188,10 +195,7 @@ def test_a_cut_link_ends_every_rank_in_time_and_the_same_command_resumes(hosts, 
                        "--epochs", "2", "--timeout", "10")
     procs = pytorchjob(hosts, args, 29540)
     try:
-        deadline = time.time() + TIMEOUT
-        while not epochs(out) and all(p.poll() is None for p in procs):
-            assert time.time() < deadline, "epoch 1 never ended"
-            time.sleep(0.05)
+        wait_for_epoch_1(procs, out)
         after_epoch_1 = sha1(out / "checkpoint.pt")  # written before metrics.csv
         hosts.link("down")
         cut = time.time()
@@ -227,10 +231,7 @@ def test_async_sgd_a_cut_off_worker_stops_the_run_in_time_and_the_same_command_r
                        "--batch-size", "8", "--epochs", "12", "--timeout", "5")
     procs = pytorchjob(hosts, args, 29550, placement=(0, 0, 1))
     try:
-        deadline = time.time() + TIMEOUT
-        while not epochs(out) and all(p.poll() is None for p in procs):
-            assert time.time() < deadline, "epoch 1 never ended"
-            time.sleep(0.05)
+        wait_for_epoch_1(procs, out)
         hosts.link("down")
         cut = time.time()
         results = finish(procs)
