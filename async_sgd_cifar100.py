@@ -252,18 +252,21 @@ def stop_error(status, rank, args):
 
 def released(proc, args):
     """After DONE, wait for the server's word that the outputs are written, for as long as the
-    other workers train; a stop if it says the run stopped (a worker lost, a signal) or dies
-    before it says: the run is not complete, and a launcher that restarts failed ranks must
-    restart this one too, for the group to meet again."""
+    other workers train (the server's heartbeat says it lives meanwhile); a stop if it says the
+    run stopped (a worker lost, a signal), or dies or goes silent for --timeout before it says:
+    the run is not complete, and a launcher that restarts failed ranks must restart this one
+    too, for the group to meet again."""
     status = torch.zeros(1)
     try:
-        distributed.recv_without_timeout(status, 0)
+        dist.recv(status, src=0)  # within --timeout: the heartbeat comes every quarter of it
+        while status.item() == distributed.Heartbeat.ALIVE:
+            dist.recv(status, src=0)
     except RuntimeError as exc:
         if not distributed.is_peer_failure(exc):
             raise
-        raise PeerLost(f"worker {proc.rank}: done, but the parameter server stopped before it "
-                       f"said the run was complete ({distributed.failure_line(exc, 100)}); "
-                       f"{training.to_resume(args)}") from None
+        raise PeerLost(f"worker {proc.rank}: done, but the parameter server died or went silent "
+                       f"before it said the run was complete ({distributed.failure_line(exc, 100)}"
+                       f"); {training.to_resume(args)}") from None
     if status.item() != 0:
         raise stop_error(int(status.item()), proc.rank, args)
 
@@ -444,6 +447,7 @@ class Server:
         """Serve until every worker is done or stopped, or one is lost."""
         # a receive open from each worker (a thread each): which one is lost shows at once
         inbox = distributed.Inbox(self.workers, self.layout.message_size, self.args.timeout)
+        self.heartbeat = distributed.Heartbeat(self.args.timeout)  # to the workers done
         active, finished, failure = set(self.workers), {}, None
         waiting = []  # --in-turn: the workers whose replies are held, in the order they came
         while active:
@@ -472,6 +476,7 @@ class Server:
             if kind == DONE:
                 finished[worker] = int(message[1].item())
                 active.discard(worker)
+                self.heartbeat.add(worker)  # it waits for its release
                 continue
             failure = failure or self.check(kind, message)
             if failure is not None:  # stop: this gradient is not applied
@@ -621,6 +626,7 @@ class Server:
         if isinstance(failure, (Interrupted, PeerLost)):
             self.average_statistics()
             self.save()  # the completed epochs' rows, the model as it is now
+        self.heartbeat.stop()
         if not self.broken:
             status = torch.tensor([0.0 if failure is None else failure.exit_code])
             for worker in finished:

@@ -42,8 +42,8 @@ def is_peer_failure(exc):
 
 def recv_without_timeout(tensor, src):
     """A receive that waits as long as it takes: the sender's death still ends it at once (its
-    connection closes), but not --timeout, which the caller keeps if it needs one (after one
-    receive times out, gloo closes every pair of the group)."""
+    connection closes), but not a timeout, which the caller keeps (after one receive times
+    out, gloo closes every pair of the group)."""
     dist.irecv(tensor, src=src).wait(datetime.timedelta(days=365))
 
 
@@ -108,6 +108,42 @@ class Inbox:
                                                 f"{self.timeout:g} s")
             del self.due[peer]
             return peer, None if error else self.messages[peer], error
+
+
+class Heartbeat:
+    """Tells the peers that wait for this rank's last word (async workers done with their part,
+    waiting for the server to release them) that it lives: a beat every quarter of `timeout`,
+    from a thread of its own.  Such a peer may wait far longer than `timeout` for the others'
+    work, yet knows within `timeout` when this rank dies, hangs or is cut off."""
+
+    ALIVE = -2.0  # not a status the last word can have (0 or an exit status)
+
+    def __init__(self, timeout):
+        self.period, self.peers, self.lock = timeout / 4, set(), threading.Lock()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.beat, daemon=True)
+        self.thread.start()
+
+    def add(self, peer):
+        with self.lock:
+            self.peers.add(peer)
+
+    def beat(self):
+        alive = torch.tensor([self.ALIVE])
+        while not self.stopped.wait(self.period):
+            with self.lock:
+                peers = sorted(self.peers)
+            for peer in peers:
+                try:
+                    dist.isend(alive, dst=peer).wait()
+                except RuntimeError:  # gone: its release will find it so, and say it
+                    with self.lock:
+                        self.peers.discard(peer)
+
+    def stop(self):
+        """No more beats: the last word can follow."""
+        self.stopped.set()
+        self.thread.join()
 
 
 def failure_line(exc, limit=160):

@@ -359,6 +359,30 @@ def test_async_server_stops_for_a_hung_worker_after_timeout(cifar_dir, tmp_path)
     assert len(rows(out)) <= epochs_then + 4, rows(out)
 
 
+def test_a_worker_waiting_for_its_release_notices_a_silent_server(cifar_dir, tmp_path):
+    """Worker 2 is done long before the slowed worker 1 and waits to be released, beyond
+    --timeout (the server's heartbeat says it lives); then the server stops answering (SIGSTOP:
+    hung, or its host cut off).  Worker 2 learns it within --timeout and exits with the
+    retryable 200: waiting without a limit it would wait for ever, and with gloo's limit alone
+    it gave up beside a live server, saying it was not released, and exited 0."""
+    out = tmp_path / "async"
+    args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--train-limit", "192", "--batch-size",
+               "8", "--epochs", "1", "--straggler-delay", "1", "--timeout", "4")
+    server, *workers = async_group(args)
+    try:
+        wait_for(lambda: os.path.exists(out / "config.json") or server.poll() is not None,
+                 what="training to start")
+        time.sleep(12)  # worker 2's 24 batches are done; worker 1 has done about 12 of its 24
+        assert server.poll() is None and workers[1].poll() is None, "worker 2 stopped waiting"
+        server.send_signal(signal.SIGSTOP)
+        _, stderr = workers[1].communicate(timeout=4 + 20)
+    finally:
+        for p in [server, *workers]:
+            p.kill()
+    assert workers[1].returncode == 200, stderr
+    assert "worker 2: done, but the parameter server died or went silent" in stderr, stderr
+
+
 def test_async_worker_gone_after_its_part_leaves_a_complete_run(cifar_dir, tmp_path):
     """Worker 2 finishes long before the slowed worker 1, and is killed while it waits to be
     released: the run is complete all the same, so the server ends with 0 (a traceback and 1
