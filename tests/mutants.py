@@ -400,6 +400,12 @@ MUTANTS = [
            ("tests/test_reliability.py", "-k", "hung_worker"),
            "the server waits for each worker without a limit: a hung worker is never named, "
            "and the others train on without its shard"),
+    Mutant("async-no-heartbeat-to-the-workers-done", "async_sgd_cifar100.py",
+           "                self.heartbeat.add(worker)  # it waits for its release",
+           "                pass",
+           ("tests/test_distributed.py", "-k", "different_speeds"),
+           "a worker done before a slower one waits for its release in silence: past --timeout "
+           "it takes the live server for lost and exits with an error"),
     Mutant("stop-wait-on-a-gone-worker-raises", "async_sgd_cifar100.py",
            "                if failure is None or not (isinstance(failure, PeerLost)\n"
            "                                           or distributed.is_peer_failure(exc)):",
