@@ -40,13 +40,6 @@ def is_peer_failure(exc):
         "pair closure"))
 
 
-def recv_without_timeout(tensor, src):
-    """A receive that waits as long as it takes: the sender's death still ends it at once (its
-    connection closes), but not a timeout, which the caller keeps (after one receive times
-    out, gloo closes every pair of the group)."""
-    dist.irecv(tensor, src=src).wait(datetime.timedelta(days=365))
-
-
 class Inbox:
     """The receiving end of a rank that serves several peers (the async parameter server):
     each message as it arrives, whichever peer sent it, and which peer is lost, the moment its
@@ -76,7 +69,8 @@ class Inbox:
         while True:
             self.allowed[peer].acquire()
             try:
-                recv_without_timeout(self.messages[peer], peer)
+                # no gloo timeout: after one receive times out, gloo closes every pair
+                dist.irecv(self.messages[peer], src=peer).wait(datetime.timedelta(days=365))
             except RuntimeError as exc:  # it died (gloo's error says so)
                 self.arrived.put((peer, exc))
                 return

@@ -359,20 +359,26 @@ def test_async_server_stops_for_a_hung_worker_after_timeout(cifar_dir, tmp_path)
     assert len(rows(out)) <= epochs_then + 4, rows(out)
 
 
+def worker_2_waiting_to_be_released(cifar_dir, out, timeout):
+    """A one-epoch run with worker 1 slowed (1 s after each step), 12 s in: worker 2's 24
+    batches are done and it waits to be released; worker 1 has done about 12 of its 24."""
+    args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--train-limit", "192", "--batch-size",
+               "8", "--epochs", "1", "--straggler-delay", "1", "--timeout", timeout)
+    group = async_group(args)
+    wait_for(lambda: os.path.exists(out / "config.json") or group[0].poll() is not None,
+             what="training to start")
+    time.sleep(12)
+    return group
+
+
 def test_a_worker_waiting_for_its_release_notices_a_silent_server(cifar_dir, tmp_path):
     """Worker 2 is done long before the slowed worker 1 and waits to be released, beyond
     --timeout (the server's heartbeat says it lives); then the server stops answering (SIGSTOP:
     hung, or its host cut off).  Worker 2 learns it within --timeout and exits with the
     retryable 200: waiting without a limit it would wait for ever, and with gloo's limit alone
     it gave up beside a live server, saying it was not released, and exited 0."""
-    out = tmp_path / "async"
-    args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--train-limit", "192", "--batch-size",
-               "8", "--epochs", "1", "--straggler-delay", "1", "--timeout", "4")
-    server, *workers = async_group(args)
+    server, *workers = worker_2_waiting_to_be_released(cifar_dir, tmp_path / "async", "4")
     try:
-        wait_for(lambda: os.path.exists(out / "config.json") or server.poll() is not None,
-                 what="training to start")
-        time.sleep(12)  # worker 2's 24 batches are done; worker 1 has done about 12 of its 24
         assert server.poll() is None and workers[1].poll() is None, "worker 2 stopped waiting"
         server.send_signal(signal.SIGSTOP)
         _, stderr = workers[1].communicate(timeout=4 + 20)
@@ -388,13 +394,8 @@ def test_async_worker_gone_after_its_part_leaves_a_complete_run(cifar_dir, tmp_p
     released: the run is complete all the same, so the server ends with 0 (a traceback and 1
     before), saying which worker it could not release."""
     out = tmp_path / "async"
-    args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--train-limit", "192", "--batch-size",
-               "8", "--epochs", "1", "--straggler-delay", "1", "--timeout", "60")
-    server, *workers = async_group(args)
+    server, *workers = worker_2_waiting_to_be_released(cifar_dir, out, "60")
     try:
-        wait_for(lambda: os.path.exists(out / "config.json") or server.poll() is not None,
-                 what="training to start")
-        time.sleep(12)  # worker 2's 24 batches are done; worker 1 has done about 12 of its 24
         assert server.poll() is None, "the run ended before worker 2 was killed"
         workers[1].kill()
         stdout, stderr = server.communicate(timeout=TIMEOUT)
