@@ -244,3 +244,8 @@ def print_world(res):
     log(f"best bucket: {res['best_bucket']}; ours / DDP = {res['ours_best_over_ddp']:.3f} "
         + (f"(default bucket: {default:.3f}) " if default is not None else "")
         + f"(median of per-rep ratios; goal <= 1: {res['goal']})")
+
+
+if __name__ == "__main__":  # this benchmark alone, as `python bench/run.py --only exchange` runs it
+    import run
+    raise SystemExit(run.main(only="exchange"))

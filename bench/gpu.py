@@ -163,3 +163,8 @@ def print_result(res):
               [[r["option"] + f" (batch {r['batch']})", r.get("images_per_s"),
                 r.get("ms_per_step"), r.get("tflops"), r.get("peak_fraction"),
                 r.get("warmup_s") if "error" not in r else r["error"]] for r in res["options"]]))
+
+
+if __name__ == "__main__":  # this benchmark alone, as `python bench/run.py --only gpu` runs it
+    import run
+    raise SystemExit(run.main(only="gpu"))

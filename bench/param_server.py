@@ -186,3 +186,8 @@ def print_result(res):
         f"(goal: well below 1: {'met' if res['goal_met'] else 'NOT met'})"
         + (f"; at batch 16 (stress) {res['max_server_busy_stress']:.3f}"
            if res["max_server_busy_stress"] is not None else ""))
+
+
+if __name__ == "__main__":  # this benchmark alone, as `python bench/run.py --only ps` runs it
+    import run
+    raise SystemExit(run.main(only="ps"))

@@ -35,13 +35,18 @@ BENCHMARKS = ("step", "exchange", "ps", "gpu", "convergence")
 DEFAULT = ("step", "exchange", "ps", "gpu")  # convergence takes hours: ask for it by name
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def parse_args(argv=None, only=None):
+    """run.py's flags; `only`: the one benchmark a module run as a script is (no --only)."""
+    doc = sys.modules["__main__"].__doc__ if only else __doc__
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+                                epilog=doc.split("\n\n", 1)[1])
     p.add_argument("--quick", action="store_true", help="fewer repetitions, steps and workers")
-    p.add_argument("--only", default=",".join(DEFAULT),
-                   help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    if only:
+        p.set_defaults(only=only)
+    else:
+        p.add_argument("--only", default=",".join(DEFAULT),
+                       help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     p.add_argument("--json", metavar="PATH",
                    help="where to write the results (default bench/results/<date>.json)")
     p.add_argument("--workers", type=int, default=2,
@@ -78,8 +83,9 @@ def run_benchmark(name, args):
     raise ValueError(name)
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main(argv=None, only=None):
+    """Run the benchmarks --only names (`only`: the one a module run as a script is)."""
+    args = parse_args(argv, only)
     now = datetime.datetime.now()
     path = args.json or os.path.join(util.BENCH_DIR, "results",
                                      now.strftime("%Y-%m-%d_%H%M%S") + (

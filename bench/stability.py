@@ -32,6 +32,8 @@ the yardstick's 6 epochs have (600), from a unit offset, with gradient noise: bi
 and variance together, along directions from h = 1e-4 (barely trained) to 0.6, relative to
 one process.
 """
+import argparse
+
 import numpy as np
 
 MU = 0.9
@@ -214,4 +216,6 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -413,3 +413,8 @@ def print_data(res):
               ["loader", "batches/s", "min", "max", "images/s", "first batch s"], rows))
     log(f"ours / reference = {res['speedup_over_reference']:.1f}x "
         f"({res['speedup_over_reference_0_workers']:.1f}x over 0 workers)")
+
+
+if __name__ == "__main__":  # this benchmark alone, as `python bench/run.py --only step` runs it
+    import run
+    raise SystemExit(run.main(only="step"))

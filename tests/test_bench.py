@@ -362,3 +362,33 @@ def test_convergence_table_counts_the_seeds_that_ran(monkeypatch, capsys):
     convergence.report(cfg, convergence.summary(some), {}, names)
     title = next(line for line in capsys.readouterr().out.splitlines() if "mean over" in line)
     assert "3 seed(s)" not in title and "of 3 asked" in title, title
+
+
+def test_each_benchmark_runs_alone_and_answers_help_without_running(tmp_path):
+    """`python bench/exchange.py` is benchmark 2 alone, as `bench/run.py --only exchange` runs
+    it (it used to import, do nothing and exit 0), and every tool's --help prints its usage
+    instead of running (bench/stability.py used to run its whole analysis)."""
+    bench = os.path.join(ROOT, "bench")
+    names = {"exchange.py": "exchange", "gpu.py": "gpu", "param_server.py": "ps",
+             "training.py": "step"}
+    scripts = sorted(f for f in os.listdir(bench) if f.endswith(".py") and f != "util.py")
+    assert set(names) <= set(scripts)
+    env = child_env(BENCH_THREADS="1", CUDA_VISIBLE_DEVICES="")
+
+    def start(script, *argv):
+        return subprocess.Popen([sys.executable, os.path.join(bench, script), *argv], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    helps = {script: start(script, "--help") for script in scripts}
+    # the GPU benchmark alone, where no GPU is visible: skipped, and its record written
+    record = tmp_path / "gpu.json"
+    alone = start("gpu.py", "--json", str(record))
+    for script, proc in helps.items():
+        out, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 0 and out.startswith(f"usage: {script}"), (script, out, err)
+        assert "delay 0:" not in out and "=== " not in out, (script, out)
+        if script in names:
+            assert "--only" not in out and "--quick" in out, (script, out)
+    out, err = alone.communicate(timeout=TIMEOUT)
+    assert alone.returncode == 0, (out, err)
+    assert list(json.loads(record.read_text())["benchmarks"]) == ["gpu"]
+    assert "skipped" in json.loads(record.read_text())["benchmarks"]["gpu"]
