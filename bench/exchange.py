@@ -248,4 +248,4 @@ def print_world(res):
 
 if __name__ == "__main__":  # this benchmark alone, as `python bench/run.py --only exchange` runs it
     import run
-    raise SystemExit(run.main(only="exchange"))
+    raise SystemExit(run.main(only="exchange", doc=__doc__))

@@ -167,4 +167,4 @@ def print_result(res):
 
 if __name__ == "__main__":  # this benchmark alone, as `python bench/run.py --only gpu` runs it
     import run
-    raise SystemExit(run.main(only="gpu"))
+    raise SystemExit(run.main(only="gpu", doc=__doc__))

@@ -190,4 +190,4 @@ def print_result(res):
 
 if __name__ == "__main__":  # this benchmark alone, as `python bench/run.py --only ps` runs it
     import run
-    raise SystemExit(run.main(only="ps"))
+    raise SystemExit(run.main(only="ps", doc=__doc__))

@@ -35,9 +35,9 @@ BENCHMARKS = ("step", "exchange", "ps", "gpu", "convergence")
 DEFAULT = ("step", "exchange", "ps", "gpu")  # convergence takes hours: ask for it by name
 
 
-def parse_args(argv=None, only=None):
-    """run.py's flags; `only`: the one benchmark a module run as a script is (no --only)."""
-    doc = sys.modules["__main__"].__doc__ if only else __doc__
+def parse_args(argv=None, only=None, doc=__doc__):
+    """run.py's flags; `only`: the one benchmark a module run as a script is (no --only), `doc`
+    that module's docstring (its --help)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=doc.split("\n\n", 1)[1])
@@ -83,9 +83,10 @@ def run_benchmark(name, args):
     raise ValueError(name)
 
 
-def main(argv=None, only=None):
-    """Run the benchmarks --only names (`only`: the one a module run as a script is)."""
-    args = parse_args(argv, only)
+def main(argv=None, only=None, doc=__doc__):
+    """Run the benchmarks --only names (`only`, `doc`: the one a module run as a script is, and
+    its docstring)."""
+    args = parse_args(argv, only, doc)
     now = datetime.datetime.now()
     path = args.json or os.path.join(util.BENCH_DIR, "results",
                                      now.strftime("%Y-%m-%d_%H%M%S") + (

@@ -417,4 +417,4 @@ def print_data(res):
 
 if __name__ == "__main__":  # this benchmark alone, as `python bench/run.py --only step` runs it
     import run
-    raise SystemExit(run.main(only="step"))
+    raise SystemExit(run.main(only="step", doc=__doc__))
