@@ -445,9 +445,10 @@ class Server:
 
     def serve(self):
         """Serve until every worker is done or stopped, or one is lost."""
-        # a receive open from each worker (a thread each): which one is lost shows at once
-        inbox = distributed.Inbox(self.workers, self.layout.message_size, self.args.timeout)
         self.heartbeat = distributed.Heartbeat(self.args.timeout)  # to the workers done
+        # a receive open from each worker (a thread each): which one is lost shows at once
+        inbox = distributed.Inbox(self.workers, self.layout.message_size, self.args.timeout,
+                                  on_arrival=self.heard)
         active, finished, failure = set(self.workers), {}, None
         waiting = []  # --in-turn: the workers whose replies are held, in the order they came
         while active:
@@ -475,8 +476,7 @@ class Server:
             self.computing.discard(worker)  # its gradient is here (or it is done)
             if kind == DONE:
                 finished[worker] = int(message[1].item())
-                active.discard(worker)
-                self.heartbeat.add(worker)  # it waits for its release
+                active.discard(worker)  # (heard() has it hear the heartbeat meanwhile)
                 continue
             failure = failure or self.check(kind, message)
             if failure is not None:  # stop: this gradient is not applied
@@ -494,6 +494,14 @@ class Server:
             if self.version % self.updates_per_epoch == 0:
                 self.end_epoch()
         self.finish(finished, failure)
+
+    def heard(self, worker, message):
+        """A message has landed (called from the Inbox's thread): a worker done with its part
+        waits for its release from now on, so the heartbeat covers it now, not once this loop
+        reads its DONE: that may be after an epoch end (evaluation, checkpoint, curve) longer
+        than --timeout."""
+        if message[0].item() == DONE:
+            self.heartbeat.add(worker)
 
     def answer(self, worker, inbox, active):
         """Reply to `worker` to go on (or, with --share-work, to finish) and expect its next

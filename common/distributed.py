@@ -52,10 +52,14 @@ class Inbox:
     thread receives once its peer's next message is `expect`ed (after the reply to its last),
     into a buffer of its own.  The timeout is kept here, not by gloo, which closes every pair
     of the group when one receive times out: the others can still be told to stop.  The mpi
-    backend runs one operation at a time, so there it is one receive from any source."""
+    backend runs one operation at a time, so there it is one receive from any source.
 
-    def __init__(self, peers, size, timeout):
+    `on_arrival(peer, message)`, if given, is called the moment a message lands (from the
+    receiving thread), for what must not wait until the caller's loop is free to read it."""
+
+    def __init__(self, peers, size, timeout, on_arrival=None):
         self.arrived, self.timeout = queue.Queue(), timeout
+        self.on_arrival = on_arrival or (lambda peer, message: None)
         self.threaded = dist.get_backend() == "gloo"
         self.messages = {p: torch.zeros(size) for p in peers}
         self.allowed = {p: threading.Semaphore(0) for p in peers}  # receive its next now
@@ -74,6 +78,7 @@ class Inbox:
             except RuntimeError as exc:  # it died (gloo's error says so)
                 self.arrived.put((peer, exc))
                 return
+            self.on_arrival(peer, self.messages[peer])
             self.arrived.put((peer, None))
 
     def expect(self, peer):
@@ -87,9 +92,11 @@ class Inbox:
         if not self.threaded:  # one receive from any source, with the group's timeout
             message = next(iter(self.messages.values()))
             try:
-                return dist.recv(message), message, None
+                peer = dist.recv(message)
             except RuntimeError as exc:
                 return None, None, exc
+            self.on_arrival(peer, message)
+            return peer, message, None
         while True:
             late = min(self.due, key=self.due.get)
             try:

@@ -401,8 +401,8 @@ MUTANTS = [
            "the server waits for each worker without a limit: a hung worker is never named, "
            "and the others train on without its shard"),
     Mutant("async-no-heartbeat-to-the-workers-done", "async_sgd_cifar100.py",
-           "                self.heartbeat.add(worker)  # it waits for its release",
-           "                pass",
+           "            self.heartbeat.add(worker)\n",
+           "            pass\n",
            ("tests/test_distributed.py", "-k", "different_speeds"),
            "a worker done before a slower one waits for its release in silence: past --timeout "
            "it takes the live server for lost and exits with an error"),

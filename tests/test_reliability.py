@@ -389,6 +389,43 @@ def test_a_worker_waiting_for_its_release_notices_a_silent_server(cifar_dir, tmp
     assert "worker 2: done, but the parameter server died or went silent" in stderr, stderr
 
 
+SLOW_EPOCH_END = (  # async_sgd_cifar100.py whose server takes EPOCH_END_SLEEP s more per epoch
+    "import os, time\n"
+    "import async_sgd_cifar100 as script\n"
+    "from common import process\n"
+    "end_epoch = script.Server.end_epoch\n"
+    "def slow_end_epoch(self):\n"
+    "    time.sleep(float(os.environ['EPOCH_END_SLEEP']))\n"
+    "    end_epoch(self)\n"
+    "script.Server.end_epoch = slow_end_epoch\n"
+    "process.execute(script.main)\n")
+
+
+def test_workers_done_during_an_epoch_end_longer_than_the_timeout_hear_the_heartbeat(
+        cifar_dir, tmp_path):
+    """A one-epoch run whose server spends 2 x --timeout on its epoch end (evaluation,
+    checkpoint, curve: a large test set, a loaded machine) just as both workers have sent their
+    last gradient and wait to be released.  The heartbeat covers each from the moment its DONE
+    arrives, so the run completes.  Before, a worker was covered only once the server's loop had
+    read its DONE, after the epoch end: both heard nothing for --timeout and exited 200 beside
+    a live server (seen as a CI failure on a slow machine)."""
+    out = tmp_path / "async"
+    args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--epochs", "1", "--timeout", "4")
+    args[1:2] = ["-c", SLOW_EPOCH_END]
+    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3",
+                    EPOCH_END_SLEEP="8")
+    group = [start(args, RANK=str(rank), **contract) for rank in (0, 1, 2)]
+    try:
+        results = [(*p.communicate(timeout=TIMEOUT), p.returncode) for p in group]
+    finally:
+        for p in group:
+            p.kill()
+    for stdout, stderr, code in results:
+        assert code == 0, stdout + stderr
+    assert "gone before it was released" not in results[0][0]
+    assert [line.split(",")[0] for line in rows(out)] == ["1"]
+
+
 def test_async_worker_gone_after_its_part_leaves_a_complete_run(cifar_dir, tmp_path):
     """Worker 2 finishes long before the slowed worker 1, and is killed while it waits to be
     released: the run is complete all the same, so the server ends with 0 (a traceback and 1
