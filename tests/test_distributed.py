@@ -413,12 +413,14 @@ def test_async_sgd_workers_of_different_speeds_stop_cleanly(cifar_dir, tmp_path)
     """Worker 1 sleeps after each update; worker 2 does not.  The sleep is long beside a
     step's time even on a loaded CI machine (0.3 s was not: with steps of 0.3 s the two
     workers took turns, every gradient 1 update stale); sleeping costs no CPU.  Worker 2,
-    done after its 4 updates, waits for its release longer than --timeout: the others' work
-    is not a lost peer (that wait timed out, and worker 2 left saying it was not released)."""
+    done after its 4 updates, waits for its release (about 8 s) longer than --timeout: the
+    others' work is not a lost peer (that wait timed out, and worker 2 left saying it was not
+    released).  --timeout 4 leaves worker 1 2 s past its sleep for each step on a loaded
+    machine."""
     out = tmp_path / "straggler"
     log = run([MPIRUN, "-np", "3", sys.executable, "async_sgd_cifar100.py",
                *tiny_args(cifar_dir, out, "--epochs", "1", "--straggler-delay", "2",
-                          "--timeout", "3")])
+                          "--timeout", "4")])
     assert "release" not in log and "error" not in log, log
     sent_applied = parse_async_log(log)
     assert all(sent == applied == 4 for sent, applied in sent_applied.values())
