@@ -54,12 +54,11 @@ class Inbox:
     of the group when one receive times out: the others can still be told to stop.  The mpi
     backend runs one operation at a time, so there it is one receive from any source.
 
-    `on_arrival(peer, message)`, if given, is called the moment a message lands (from the
-    receiving thread), for what must not wait until the caller's loop is free to read it."""
+    `on_arrival(peer, message)` is called the moment a message lands (from the receiving
+    thread), for what must not wait until the caller's loop is free to read it."""
 
-    def __init__(self, peers, size, timeout, on_arrival=None):
-        self.arrived, self.timeout = queue.Queue(), timeout
-        self.on_arrival = on_arrival or (lambda peer, message: None)
+    def __init__(self, peers, size, timeout, on_arrival):
+        self.arrived, self.timeout, self.on_arrival = queue.Queue(), timeout, on_arrival
         self.threaded = dist.get_backend() == "gloo"
         self.messages = {p: torch.zeros(size) for p in peers}
         self.allowed = {p: threading.Semaphore(0) for p in peers}  # receive its next now

@@ -259,10 +259,10 @@ def test_sync_sgd_rank_death_ends_the_others_with_a_clear_error(cifar_dir, tmp_p
     assert state(out)["epoch"] >= 1  # the last good checkpoint is there and loads
 
 
-def async_group(args):
-    """A server and two workers of async SGD, started with the env:// contract."""
+def async_group(args, **env):
+    """A server and two workers of async SGD, started with the env:// contract (and `env`)."""
     contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3")
-    return [start(args, RANK=str(rank), **contract) for rank in (0, 1, 2)]
+    return [start(args, RANK=str(rank), **contract, **env) for rank in (0, 1, 2)]
 
 
 def test_async_sgd_worker_death_does_not_hang_the_server(cifar_dir, tmp_path):
@@ -412,9 +412,7 @@ def test_workers_done_during_an_epoch_end_longer_than_the_timeout_hear_the_heart
     out = tmp_path / "async"
     args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--epochs", "1", "--timeout", "4")
     args[1:2] = ["-c", SLOW_EPOCH_END]
-    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="3",
-                    EPOCH_END_SLEEP="8")
-    group = [start(args, RANK=str(rank), **contract) for rank in (0, 1, 2)]
+    group = async_group(args, EPOCH_END_SLEEP="8")
     try:
         results = [(*p.communicate(timeout=TIMEOUT), p.returncode) for p in group]
     finally:
