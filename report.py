@@ -28,7 +28,7 @@ import sys
 
 from common.checkpoint import atomic_write
 from common.flags import HelpFormatter, Parser
-from common.process import UserError, execute
+from common.run import UserError, execute
 
 # The homework's test-accuracy targets, %: a copy of each main's TARGET constant and of the data
 # set it applies to (each main passes target=TARGET only when args.dataset is that one).

@@ -5,9 +5,11 @@
 import torch
 from torch import nn
 
-from common import data, flags, loader, outputs, process, training
-from common.checkpoint import Checkpoint
+from common import data, flags, training
+from common.loader import make_loaders
 from common.model import build_model
+from common.outputs import RunFolder
+from common.run import execute, start_run
 
 SCRIPT = "resnet_cifar100"
 TARGET = 60.0  # the homework's test-accuracy target, % (on cifar100)
@@ -25,53 +27,56 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def train_one_epoch(model, meter, criterion, optimizer, scheduler, proc):
-    """One pass over the training set: forward, backward and an SGD step for every batch."""
+def train_one_epoch(model, criterion, optimizer, scheduler, train_loader, epoch, run,
+                    resumed=None):
+    """One pass over the training set: forward, backward and an SGD step for every batch (from
+    the batch a stopped pass reached, `resumed`); its metrics, stopped early by SIGTERM/SIGINT."""
     model.train()
-    for images, labels in meter:  # this epoch's batches, from where a stopped run left off
-        with proc.autocast():
+    metrics = training.EpochMetrics(run, epoch, len(train_loader), scheduler.get_last_lr()[0],
+                                    resumed)
+    for images, labels in train_loader.epoch_batches(epoch, start=metrics.step):
+        with run.autocast():
             output = model(images)
             loss = criterion(output, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         scheduler.step()  # the learning rate changes every step
-        meter.update(loss, output, labels)
+        metrics.update(loss, output, labels)
+        if run.stop.signum:  # asked to stop: after this step, so that a rerun resumes here
+            return metrics.end(stopped=True)
+    return metrics.end()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    proc = process.start(args, SCRIPT)  # device, precision, seeds, SIGTERM/SIGINT
-    folder = outputs.RunFolder(args, proc, TARGET if args.dataset == "cifar100" else None)
+    run = start_run(args, SCRIPT)  # device, precision, seeds; SIGTERM/SIGINT stop cleanly
+    folder = RunFolder(args, run, TARGET if args.dataset == "cifar100" else None)
 
     train_set, test_set = data.load_datasets(args.dataset, args)
-    train_loader, test_loader = loader.make_loaders(train_set, test_set, args, proc)
-    model = proc.prepare(build_model(args.arch, len(train_set.classes), args.dropout))
+    train_loader, test_loader = make_loaders(train_set, test_set, args, run)
+    model = run.prepare(build_model(args.arch, len(train_set.classes), args.dropout))
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     optimizer = torch.optim.SGD(training.param_groups(model, args.weight_decay), lr=args.lr,
                                 momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
     scheduler = training.warmup_cosine(optimizer, args, len(train_loader))
 
-    checkpoint = Checkpoint(args, proc, model, optimizer, scheduler)
-    state = checkpoint.resume()  # the epochs done so far, if --out holds a checkpoint
+    state = folder.resume(model, optimizer, scheduler)  # the epochs a checkpoint in --out holds
     if args.evaluate:
-        return training.evaluate_checkpoint(model, test_loader, proc, checkpoint, state)
-    training.describe(proc, args, model, train_set, test_set, f"batch {args.batch_size}")
-    folder.write_config(resumed_after_epoch=state.epoch)
+        return training.evaluate_checkpoint(model, test_loader, run, folder, state)
+    run.log(training.describe(run, args, model, train_set, test_set, f"batch {args.batch_size}"))
+    folder.write_config(state)
 
     for epoch in range(state.epoch, args.epochs):
-        meter = training.Meter(train_loader, epoch, args, proc, state, scheduler)
-        train_one_epoch(model, meter, criterion, optimizer, scheduler, proc)
-        if meter.stopped:  # SIGTERM / SIGINT: keep this step, and exit so that a rerun resumes
-            checkpoint.save(state, partial=meter.partial())
-            raise process.Interrupted(meter.stop_message(checkpoint.path), proc.stop.signum)
-        test_loss, test_acc = training.evaluate(model, test_loader, proc)
-        state.add(meter.row(test_loss, test_acc, state.rows))
-        proc.log(training.epoch_line(state.rows[-1], args.epochs))
-        checkpoint.save(state)  # resumable from here
-        folder.write(state.rows)  # metrics.csv, curve.png (and tb/): as the checkpoint holds
-    proc.log(f"final test accuracy: {state.rows[-1]['test_acc']:.2f}%")
+        metrics = train_one_epoch(model, criterion, optimizer, scheduler, train_loader, epoch,
+                                  run, state.take_partial())
+        if metrics.stopped:
+            folder.stop(state, metrics)  # checkpoint this step, exit with 128 + signal
+        test_loss, test_acc = training.evaluate(model, test_loader, run)
+        # the epoch's line; checkpoint.pt, metrics.csv and curve.png rewritten
+        folder.end_epoch(state, metrics.row(test_loss, test_acc, state.rows))
+    run.log(f"final test accuracy: {state.rows[-1]['test_acc']:.2f}%")
 
 
 if __name__ == "__main__":
-    process.execute(main)
+    execute(main)

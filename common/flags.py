@@ -3,55 +3,31 @@ import argparse
 import math
 import os
 
-from .process import UserError
+from .run import UserError
 
 
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
-    return value
+def number(kind, low, high=math.inf, *, low_open=False, what=""):
+    """An argparse type: a `kind` (int or float) from `low` (excluded if `low_open`) to below
+    `high`; nan is refused."""
+    def parse(text):
+        value = kind(text)
+        if not ((low < value) if low_open else (low <= value)) or not value < high:
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
+        return value
+    return parse
 
 
-def non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
-    return value
-
-
-def seed(text):
-    value = int(text)
-    if not 0 <= value < 2**32:  # numpy's range (torch's and Python's are wider): one for all
-        raise argparse.ArgumentTypeError(f"must be from 0 to {2**32 - 1}, not {text}")
-    return value
-
-
-def non_negative_float(text):
-    value = float(text)
-    if not 0 <= value < math.inf:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
-    return value
-
-
-def positive_float(text):
-    value = float(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text}")
-    return value
-
-
-def fraction(text):
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {text}")
-    return value
+positive_int = number(int, 1, what="a positive integer")
+non_negative_int = number(int, 0, what="0 or more")
+seed = number(int, 0, 2**32, what=f"from 0 to {2**32 - 1}")  # numpy's range: one for all
+non_negative_float = number(float, 0, what="a finite number >= 0")
+positive_float = number(float, 0, low_open=True, what="a finite number > 0")
+fraction = number(float, 0, 1, what="at least 0 and below 1")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description (a script's docstring) laid out as written: its command lines and
-    numbered steps, not one reflowed paragraph; each flag's default shown, except the
-    uninformative None / False of optional flags (by identity: a default of 0 is shown)."""
+    """The description (a script's docstring) laid out as written, and each flag's default
+    shown, except the uninformative None / False of optional flags (a default of 0 is shown)."""
 
     def _get_help_string(self, action):
         if action.default is None or action.default is False:
@@ -66,15 +42,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see {self.prog} --help\n")
 
 
-def tensorboard_missing():
-    """Why --tensorboard cannot write (None when it can): torch's writer needs the package."""
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError as exc:
-        return f"the tensorboard package is not importable ({exc}); pip install tensorboard"
-    return None
-
-
 class TensorBoardFlag(argparse.Action):
     """A store-true flag that exits (status 2, one line) while the arguments are parsed, on
     every rank, when the tensorboard package is missing: before any training."""
@@ -83,9 +50,11 @@ class TensorBoardFlag(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        why = tensorboard_missing()
-        if why:
-            parser.exit(2, f"error: {option_string}: {why}\n")
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError as exc:
+            parser.exit(2, f"error: {option_string}: the tensorboard package is not importable "
+                           f"({exc}); pip install tensorboard\n")
         setattr(namespace, self.dest, True)
 
 
@@ -160,14 +129,16 @@ def add_distributed_flags(parser):
                    help="torch.distributed backend (auto: nccl on CUDA, else gloo)")
     g.add_argument("--timeout", type=positive_float, default=600.0,
                    help="seconds a collective may wait for the other ranks before failing")
+    g.add_argument("--straggler-delay", type=non_negative_float, default=0.0, metavar="SECONDS",
+                   help="make rank 1 sleep this long at each step (a slow rank)")
     return g
 
 
 # What a resumed run may change: where and how it runs, not what it computes. A larger --epochs
 # goes on along the longer schedule.  --evaluate needs only the data its network was made for.
 RUN_FLAGS = {"data_dir", "download", "workers", "epochs", "out", "device", "amp", "fresh",
-             "evaluate", "tensorboard", "backend", "timeout", "exchange", "bucket_mb",
-             "straggler_delay", "weights", "no_pretrained"}
+             "evaluate", "tensorboard", "backend", "timeout", "straggler_delay", "weights",
+             "no_pretrained"}
 EVALUATED_WITH = {"dataset", "image_size"}
 # What the ranks of one run may be given differently: a host's own data folder, say.
 RANK_FLAGS = RUN_FLAGS - {"epochs", "evaluate"}

@@ -1,11 +1,10 @@
 """Batches of this rank's shard, augmented and normalised on the training device.
 
-CIFAR-100 and TinyImageNet are held in memory as uint8 and moved to the device once; every
-training batch is then cropped, flipped and normalised there as one tensor (`DeviceLoader`):
-no per-sample PIL work in the training loop, which is what makes the public solutions' GPUs
-wait.  An ImageNet-layout folder does not fit in memory, so its JPEGs are decoded and
-augmented per sample in `--workers` processes (`FolderLoader`); they hand over uint8 tensors
-and the device normalises them (4x fewer bytes to move).
+CIFAR-100 and TinyImageNet are held in memory as uint8 and moved to the device once; each
+training batch is cropped, flipped and normalised there as one tensor (`DeviceLoader`): no
+per-sample PIL work in the loop, which is what makes the public solutions' GPUs wait.  An
+ImageNet-layout folder does not fit in memory, so its JPEGs are decoded and augmented per
+sample by --workers processes (`FolderLoader`), which hand uint8 tensors to the device.
 """
 import math
 
@@ -17,9 +16,8 @@ from .data import IMAGENET_MEAN, IMAGENET_STD, SPECS, ImageSet
 
 
 def normalization(dataset, pretrained=False):
-    """(mean, std) of the training set: the data set's own; ImageNet's for ImageNet weights
-    (the statistics the pretrained filters expect) and for image folders.  Training and test
-    batches are normalised alike."""
+    """(mean, std): the data set's own; ImageNet's for ImageNet weights (the statistics the
+    pretrained filters expect) and for image folders.  Training and test batches alike."""
     if pretrained or dataset not in SPECS:
         return IMAGENET_MEAN, IMAGENET_STD
     return SPECS[dataset].mean, SPECS[dataset].std
@@ -29,29 +27,35 @@ class ShardedLoader:
     """This rank's share of a data set, in batches, finished on the training device.
 
     Training: a DistributedSampler gives this rank its shard of a permutation that changes
-    every epoch (`set_epoch`).  Test: this rank's samples are ``rank::world_size``, unpadded,
-    so that summing over ranks counts each test sample exactly once.  `finish` normalises a
-    uint8 batch on the device (and optionally resizes it and makes it channels_last).
-    """
+    every epoch.  Test: this rank's samples are ``rank::world_size``, unpadded, so that summing
+    over ranks counts each test sample exactly once.  `finish` normalises a uint8 batch on the
+    device (and resizes it to `image_size`, and makes it channels_last, if asked)."""
 
     def __init__(self, size, batch_size, device, *, train, mean, std, rank=0, world_size=1,
                  seed=0, image_size=None, channels_last=False):
         self.size, self.batch_size, self.device = size, batch_size, torch.device(device)
-        self.train, self.rank, self.world_size, self.seed, self.epoch = train, rank, world_size, seed, 0
+        self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, 0
         self.image_size, self.channels_last = image_size, channels_last
         std = torch.tensor(std, device=device).view(1, 3, 1, 1)
         self.scale = 1.0 / (255.0 * std)
         self.shift = -torch.tensor(mean, device=device).view(1, 3, 1, 1) / std
-        self.sampler = None
-        if train:
-            self.sampler = DistributedSampler(range(size), num_replicas=world_size, rank=rank,
-                                              shuffle=True, seed=seed)
+        self.sampler = DistributedSampler(range(size), num_replicas=world_size, rank=rank,
+                                          shuffle=True, seed=seed) if train else None
 
     def set_epoch(self, epoch):
         """A new permutation (and new crops and flips) for `epoch`."""
         self.epoch = epoch
         if self.sampler is not None:
             self.sampler.set_epoch(epoch)
+
+    def epoch_batches(self, epoch, start=0):
+        """Epoch `epoch`'s batches from batch `start` on (a resumed epoch skips the others): a
+        new shuffle, new crops and flips, and new dropout masks, from (seed, epoch, rank) only,
+        so that batch k is the same whether or not the epoch was interrupted."""
+        self.set_epoch(epoch)
+        torch.manual_seed((self.seed * 1_000_003 + epoch * 7919 + self.rank * 104_729) % 2**63
+                          + start)
+        return self.batches(start)
 
     def indices(self):
         if self.sampler is not None:
@@ -66,9 +70,6 @@ class ShardedLoader:
     def __iter__(self):
         return self.batches()
 
-    def batches(self, start=0):
-        raise NotImplementedError
-
     def finish(self, x):
         x = x.float() * self.scale + self.shift
         if self.image_size and self.image_size != x.shape[-1]:
@@ -80,26 +81,19 @@ class ShardedLoader:
 
 
 class DeviceLoader(ShardedLoader):
-    """Batches of an in-memory ImageSet, held and augmented on the training device.
-
-    Each training image gets its own random crop with zero padding (`pad`, default 1/8 of the
-    side) and horizontal flip, drawn from a generator seeded per batch; test batches are only
-    normalised.
-    """
+    """Batches of an in-memory ImageSet, held and augmented on the training device: each
+    training image gets its own random crop with zero padding (`pad`, default 1/8 of the side)
+    and horizontal flip; test batches are only normalised."""
 
     def __init__(self, data, batch_size, device, *, train, pad=None, augment=None, **shard):
         super().__init__(len(data), batch_size, device, train=train, **shard)
-        self.images = data.images.to(device)
-        self.labels = data.labels.to(device)
+        self.images, self.labels = data.images.to(device), data.labels.to(device)
         self.augment = train if augment is None else augment
         self.pad = data.images.shape[-1] // 8 if pad is None else pad
 
     def batches(self, start=0):
-        """The epoch's batches from batch number `start` on (a resumed epoch skips the rest).
-
-        Each batch's augmentation is drawn from a generator seeded by (seed, epoch, rank,
-        batch number), so batch k is the same whether or not the epoch was interrupted.
-        """
+        """Each batch's crops and flips come from a generator seeded by (seed, epoch, rank,
+        batch number)."""
         order = torch.tensor(self.indices(), dtype=torch.int64, device=self.device)
         gen = torch.Generator(self.device) if self.augment else None
         for k in range(start, len(self)):
@@ -112,11 +106,8 @@ class DeviceLoader(ShardedLoader):
 
 
 def random_crop_flip(x, pad, gen):
-    """Per-sample random crop (zero padding `pad`) and horizontal flip of a uint8 batch.
-
-    Equivalent to torchvision's RandomCrop(size, padding=pad) + RandomHorizontalFlip(),
-    done as two gathers over the whole batch.
-    """
+    """Per-sample random crop (zero padding `pad`) and horizontal flip of a uint8 batch: what
+    torchvision's RandomCrop(size, padding=pad) + RandomHorizontalFlip() do, as two gathers."""
     b, c, h, w = x.shape
     dev = x.device
     padded = F.pad(x, (pad, pad, pad, pad))
@@ -150,32 +141,22 @@ class FolderLoader(ShardedLoader):
             yield self.finish(images), labels.to(self.device, non_blocking=True)
 
 
-def _loader(data, batch_size, args, proc, train, pretrained, rank, world_size):
+def make_loader(data, args, run, *, train, batch_size=None, rank=0, world_size=1,
+                pretrained=False):
+    """This rank's shard of `data`, in batches of `batch_size` (default --batch-size; the test
+    set's at least 256), normalised as `normalization(args.dataset, pretrained)` says."""
     mean, std = normalization(args.dataset, pretrained)
+    batch_size = batch_size or (args.batch_size if train else max(args.batch_size, 256))
     shard = dict(train=train, mean=mean, std=std, rank=rank, world_size=world_size,
-                 seed=args.seed, channels_last=proc.amp)
+                 seed=args.seed, channels_last=run.amp)
     if isinstance(data, ImageSet):
-        return DeviceLoader(data, batch_size, proc.device, image_size=args.image_size, **shard)
-    return FolderLoader(data, batch_size, proc.device, workers=args.workers, **shard)
+        return DeviceLoader(data, batch_size, run.device, image_size=args.image_size, **shard)
+    return FolderLoader(data, batch_size, run.device, workers=args.workers, **shard)
 
 
-def train_loader(train_set, args, proc, *, pretrained=False, batch_size=None, rank=0,
-                 world_size=1):
-    """This rank's shard of the training set; `batch_size` is per rank (default --batch-size).
-    Normalised with `normalization(args.dataset, pretrained)`, resized to --image-size."""
-    return _loader(train_set, batch_size or args.batch_size, args, proc, True, pretrained, rank,
-                   world_size)
-
-
-def test_loader(test_set, args, proc, *, pretrained=False, rank=0, world_size=1):
-    """This rank's unpadded share of the test set, normalised as the training set is."""
-    return _loader(test_set, max(args.batch_size, 256), args, proc, False, pretrained, rank,
-                   world_size)
-
-
-def make_loaders(train_set, test_set, args, proc, *, pretrained=False, batch_size=None,
-                 rank=0, world_size=1):
-    """Training and test loaders of this rank."""
-    shard = dict(pretrained=pretrained, rank=rank, world_size=world_size)
-    return (train_loader(train_set, args, proc, batch_size=batch_size, **shard),
-            test_loader(test_set, args, proc, **shard))
+def make_loaders(train_set, test_set, args, run, *, batch_size=None, rank=0, world_size=1,
+                 pretrained=False):
+    """This rank's training and test loaders; `batch_size` is per rank (default --batch-size)."""
+    shard = dict(rank=rank, world_size=world_size, pretrained=pretrained)
+    return (make_loader(train_set, args, run, train=True, batch_size=batch_size, **shard),
+            make_loader(test_set, args, run, train=False, **shard))

@@ -20,7 +20,7 @@ import warnings
 import torch
 from torch import nn
 
-from .process import UserError
+from .run import UserError
 
 # Figure 1: (output channels, number of basic blocks, stride of the first block) per stage.
 HW4_STAGES = (
@@ -111,15 +111,11 @@ ARCHS = ("hw4", "resnet18", "resnet50")
 
 def build_model(arch, num_classes, dropout=0.1):
     """`hw4`: Figures 1 and 2.  `resnet18`, `resnet50`: torchvision's (its ResNet-50 is v1.5,
-    the stride on the 3x3 convolution of each bottleneck, as in seed 001's workload)."""
+    the stride on the 3x3 convolution of each bottleneck)."""
     if arch == "hw4":
         return HW4ResNet(num_classes, dropout=dropout)
     import torchvision
     return getattr(torchvision.models, arch)(num_classes=num_classes)
-
-
-def count_parameters(model):
-    return sum(p.numel() for p in model.parameters())
 
 # ---------------------------------------------------------------------------- ImageNet weights
 #

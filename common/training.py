@@ -1,9 +1,6 @@
-"""What the mains' training loops share: the optimizer's parameter groups, the LR schedule, the
-bookkeeping of a training pass and its metrics row (`Meter`), and evaluation.
-
-The loops themselves -- forward, backward, what happens to the gradients, the optimizer step --
-are written in each main, where a reader sees them.
-"""
+"""What the mains' training loops share: the weight-decay groups, the learning-rate schedule, the
+metrics of a training pass, and evaluation.  The loops themselves -- forward, backward, what
+happens to the gradients, the optimizer step -- are written in each main."""
 import math
 import sys
 import time
@@ -11,12 +8,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .model import count_parameters
-from .data import describe as describe_data
-from .process import NonFiniteLoss, UserError
+from .run import NonFiniteLoss, UserError
 
 LOG_EVERY = 50  # steps between progress updates / non-finite checks (each costs a device sync)
-AGREE_EVERY = 10  # steps between the ranks' agreements on whether to stop (a tiny all_reduce)
 
 
 def param_groups(model, weight_decay):
@@ -43,57 +37,26 @@ def warmup_cosine(optimizer, args, steps_per_epoch):
         optimizer, lambda step: lr_factor(step, args, steps_per_epoch))
 
 
-def to_resume(args):
-    """How to go on from the checkpoint this run has written: with --fresh, the same command
-    would start over."""
-    return f"run the same command{' without --fresh' * bool(args.fresh)} to resume"
+class EpochMetrics:
+    """Loss and accuracy of one training pass over this rank's shard and its time, from the step
+    a stopped pass reached (`resumed`, what `partial()` gave its checkpoint).  Summed on the
+    device and read every LOG_EVERY steps only (the GPU never waits for the host), raising
+    NonFiniteLoss at the first bad step.  With `comm`, the totals are over every rank."""
 
-
-def epoch_seed(seed, epoch, rank):
-    """Dropout and other global-RNG draws of an epoch depend on (seed, epoch, rank) only."""
-    return (seed * 1_000_003 + epoch * 7919 + rank * 104_729) % 2**63
-
-
-class Meter:
-    """The bookkeeping of one training pass over this rank's shard, around the main's loop.
-
-    Iterating it starts the epoch -- a new shuffle (`set_epoch`), crops, flips and dropout masks
-    derived from (seed, epoch, rank) -- and yields its batches from the step a stopped epoch
-    reached (`state.partial`), so an epoch stopped at step k and resumed is the epoch an
-    uninterrupted run would have had.
-    `update` sums loss and accuracy on the device and reads them every LOG_EVERY steps only
-    (the GPU never waits for the host), raising NonFiniteLoss at the first bad step.  After a
-    SIGTERM/SIGINT -- agreed by every rank when `comm` is given -- the iteration ends early and
-    `stopped` is True.
-    """
-
-    def __init__(self, loader, epoch, args, proc, state, scheduler, comm=None):
-        self.loader, self.epoch, self.args, self.proc, self.comm = loader, epoch, args, proc, comm
-        partial = state.take_partial() or {"step": 0, "totals": [0.0, 0.0, 0.0], "seconds": 0.0}
-        self.start, self.before, self.seconds_before = (partial["step"], partial["totals"],
-                                                        partial["seconds"])
-        self.lr = partial.get("lr", scheduler.get_last_lr()[0])  # the LR the epoch began with
-        self.step, self.stopped = self.start, False
-        device = proc.device
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        self.correct = torch.zeros((), dtype=torch.int64, device=device)
-        self.first_bad = torch.full((), -1, dtype=torch.int64, device=device)  # no sync per step
-        self.count = 0
-        self.began = self.trained = None
-
-    def __iter__(self):
-        self.loader.set_epoch(self.epoch)
-        torch.manual_seed(epoch_seed(self.args.seed, self.epoch, self.proc.rank) + self.start)
-        self.began = time.perf_counter()
-        batches = self.loader.batches(self.start)
-        self.bar = _progress(batches, f"epoch {self.epoch + 1}", self.proc, len(self.loader),
-                             self.start)
-        for batch in self.bar:
-            yield batch
-            if self.step < len(self.loader) and self._stop_requested():
-                self.stopped = True
-                break
-        self.trained = time.perf_counter()
+    def __init__(self, run, epoch, steps, lr, resumed=None, comm=None):
+        resumed = resumed or {"step": 0, "totals": [0.0, 0.0, 0.0], "seconds": 0.0, "lr": lr}
+        self.run, self.epoch, self.steps, self.comm = run, epoch, steps, comm
+        self.step, self.before, self.lr = resumed["step"], resumed["totals"], resumed["lr"]
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+        self.correct = torch.zeros((), dtype=torch.int64, device=run.device)
+        self.first_bad = torch.full((), -1, dtype=torch.int64, device=run.device)
+        self.count, self.stopped, self.bar = 0, False, None
+        if run.is_main and sys.stderr.isatty():  # a progress bar on a terminal, not in logs
+            from tqdm import tqdm
+            self.bar = tqdm(desc=f"epoch {epoch + 1}", total=steps, initial=self.step,
+                            leave=False, dynamic_ncols=True)
+        self.began = time.perf_counter() - resumed["seconds"]
+        self.trained = None
 
     def update(self, loss, output, labels):
         """Count a step's loss and accuracy (after its optimizer step)."""
@@ -104,29 +67,28 @@ class Meter:
         self.step += 1
         self.first_bad = torch.where((self.first_bad < 0) & ~torch.isfinite(loss), self.step,
                                      self.first_bad)
-        if self.step % LOG_EVERY == 0 or self.step == len(self.loader):
-            bad = self.first_bad.item()
-            if bad >= 0:
+        if self.bar is not None:
+            self.bar.update()
+        if self.step % LOG_EVERY == 0 or self.step == self.steps:
+            if self.first_bad.item() >= 0:
                 raise NonFiniteLoss(f"loss became non-finite at epoch {self.epoch + 1}, step "
-                                    f"{bad}; the last good checkpoint in {self.proc.out} is kept; "
-                                    "lower --lr or try --no-amp")
-            if hasattr(self.bar, "set_postfix"):
+                                    f"{self.first_bad.item()}; the last good checkpoint in "
+                                    f"{self.run.out} is kept; lower --lr or try --no-amp")
+            if self.bar is not None:
                 self.bar.set_postfix(loss=f"{self.loss_sum.item() / self.count:.3f}",
                                      acc=f"{100.0 * self.correct.item() / self.count:.1f}%")
 
-    def _stop_requested(self):
-        """Has any rank been asked to stop?  All ranks agree, so they stop at the same step."""
-        if self.comm is None or self.comm.world_size == 1:
-            return self.proc.stop.signum is not None
-        if self.step % AGREE_EVERY:
-            return False
-        flag = torch.tensor([self.proc.stop.signum or 0], device=self.proc.device)
-        return self.comm.all_reduce_max(flag).item() > 0
+    def end(self, stopped=False):
+        """The pass is over: all its batches, or (`stopped`) up to a SIGTERM/SIGINT."""
+        self.trained, self.stopped = time.perf_counter(), stopped
+        if self.bar is not None:
+            self.bar.close()
+        return self
 
     def totals(self):
-        """(loss sum, correct, samples) of the whole epoch so far, over every rank."""
+        """(loss sum, correct, samples) of the whole pass so far, over every rank."""
         mine = torch.tensor([self.loss_sum.item(), self.correct.item(), self.count],
-                            dtype=torch.float64, device=self.proc.device)
+                            dtype=torch.float64, device=self.run.device)
         if self.comm is not None:
             mine = self.comm.all_reduce_sum(mine)
         return [a + b for a, b in zip(mine.tolist(), self.before)]
@@ -134,44 +96,33 @@ class Meter:
     def partial(self):
         """What a checkpoint keeps of a stopped pass, to resume it at this step."""
         return {"step": self.step, "totals": self.totals(), "lr": self.lr,
-                "seconds": self.seconds_before + self.trained - self.began}
+                "seconds": self.trained - self.began}
 
-    def stop_message(self, path):
-        return (f"stopped by {self.proc.stop.name} during epoch {self.epoch + 1}: checkpoint "
-                f"written to {path}; {to_resume(self.args)}")
-
-    def row(self, test_loss, test_acc, rows, **extra):
-        """The epoch's metrics.csv row, once it is trained and evaluated; `rows` are the earlier
-        epochs' (for the elapsed time)."""
-        loss_sum, correct, samples = self.totals()
-        now = time.perf_counter()
-        seconds = self.seconds_before + now - self.began  # training and evaluation
-        train_seconds = self.seconds_before + self.trained - self.began
-        elapsed = (rows[-1]["elapsed_seconds"] if rows else 0.0) + seconds
-        return {"epoch": self.epoch + 1, "train_loss": loss_sum / samples,
-                "train_acc": 100.0 * correct / samples, "test_loss": test_loss,
-                "test_acc": test_acc, "lr": self.lr, "epoch_seconds": seconds,
-                "elapsed_seconds": elapsed, "images_per_s": samples / train_seconds, **extra}
+    def row(self, test_loss, test_acc, rows):
+        """The pass's metrics.csv row, once it is evaluated; `rows` are the earlier epochs'."""
+        return epoch_row(self.epoch + 1, self.totals(), test_loss, test_acc, self.lr,
+                         time.perf_counter() - self.began, self.trained - self.began, rows)
 
 
-def _progress(batches, desc, proc, total, initial=0):
-    """tqdm on a terminal; in batch logs (not a tty) only the per-epoch lines."""
-    if not (proc.is_main and sys.stderr.isatty()):
-        return batches
-    from tqdm import tqdm
-    return tqdm(batches, desc=desc, total=total, initial=initial, leave=False, dynamic_ncols=True)
+def epoch_row(epoch, totals, test_loss, test_acc, lr, seconds, train_seconds, rows, **extra):
+    """A metrics.csv row: `totals` are the pass's (loss sum, correct, samples); `seconds` its
+    training and evaluation, `train_seconds` its training alone (for images/s)."""
+    loss_sum, correct, samples = totals
+    elapsed = (rows[-1]["elapsed_seconds"] if rows else 0.0) + seconds
+    return {"epoch": epoch, "train_loss": loss_sum / samples,
+            "train_acc": 100.0 * correct / samples, "test_loss": test_loss,
+            "test_acc": test_acc, "lr": lr, "epoch_seconds": seconds,
+            "elapsed_seconds": elapsed, "images_per_s": samples / train_seconds, **extra}
 
 
 @torch.no_grad()
-def evaluate(model, loader, proc, comm=None):
-    """Test loss (plain cross-entropy) and accuracy, counted over samples.
-
-    With `comm` every rank passes its unpadded shard and the sums are all-reduced, so each test
-    sample counts exactly once."""
+def evaluate(model, loader, run, comm=None):
+    """Test loss (plain cross-entropy) and accuracy, counted over samples.  With `comm` every
+    rank passes its unpadded shard and the sums are all-reduced: each sample counts once."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=proc.device)
+    totals = torch.zeros(3, dtype=torch.float64, device=run.device)
     for images, labels in loader:
-        with proc.autocast():
+        with run.autocast():
             output = model(images)
         totals[0] += F.cross_entropy(output.float(), labels, reduction="sum")
         totals[1] += (output.argmax(1) == labels).sum()
@@ -182,26 +133,20 @@ def evaluate(model, loader, proc, comm=None):
     return loss_sum / max(count, 1), 100.0 * correct / max(count, 1)
 
 
-def evaluate_checkpoint(model, loader, proc, checkpoint, state, comm=None):
+def evaluate_checkpoint(model, loader, run, folder, state, comm=None):
     """--evaluate: test the checkpoint in --out (already loaded into `model`); write nothing."""
-    if not checkpoint.exists():
-        raise UserError(f"--evaluate: no checkpoint at {checkpoint.path}; train first or point "
+    if not folder.has_checkpoint():
+        raise UserError(f"--evaluate: no checkpoint at {folder.checkpoint}; train first or point "
                         "--out at the run to evaluate")
-    loss, acc = evaluate(model, loader, proc, comm)
-    proc.log(f"checkpoint after epoch {state.epoch}: test loss {loss:.4f}")
-    proc.log(f"final test accuracy: {acc:.2f}%")
+    loss, acc = evaluate(model, loader, run, comm)
+    run.log(f"checkpoint after epoch {state.epoch}: test loss {loss:.4f}")
+    run.log(f"final test accuracy: {acc:.2f}%")
 
 
-def epoch_line(row, epochs):
-    return (f"epoch {row['epoch']:>3}/{epochs} | train loss {row['train_loss']:.4f} "
-            f"acc {row['train_acc']:6.2f}% | test loss {row['test_loss']:.4f} "
-            f"acc {row['test_acc']:6.2f}% | lr {row['lr']:.4g} | "
-            f"{row['epoch_seconds']:.1f} s | {row['images_per_s']:.0f} img/s")
-
-
-def describe(proc, args, model, train_set, test_set, how):
+def describe(run, args, model, train_set, test_set, how):
     """The log's opening line: what trains on what, where, and how (the precision included)."""
-    proc.log(f"{proc.script}: {args.arch} on {args.dataset}, {count_parameters(model):,} "
-             f"parameters | train {describe_data(train_set)}, test {describe_data(test_set)} | "
-             f"{how} | "
-             f"device {proc.device}, precision {proc.precision}")
+    from .data import describe as describe_data
+    parameters = sum(p.numel() for p in model.parameters())
+    return (f"{run.script}: {args.arch} on {args.dataset}, {parameters:,} parameters | train "
+            f"{describe_data(train_set)}, test {describe_data(test_set)} | {how} | device "
+            f"{run.device}, precision {run.precision}")

@@ -14,7 +14,7 @@ from PIL import Image
 
 import report
 from common import outputs
-from common.process import UserError
+from common.run import UserError
 from helpers import MPIRUN, ROOT, child_env
 
 TIMEOUT = 240

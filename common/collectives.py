@@ -1,0 +1,155 @@
+"""The collectives the scripts use, and a lost peer told from a bug: a collective that fails
+because another rank died or went silent is one line and the retryable exit 200."""
+import functools
+import io
+import re
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import load_plain
+from .flags import RANK_FLAGS, recipe_difference
+from .run import PeerLost, UserError
+
+
+def is_peer_failure(exc):
+    """Did a collective fail because another rank died or stopped answering?"""
+    return isinstance(exc, dist.DistError) or any(marker in str(exc) for marker in (
+        "gloo", "Connection reset", "Connection closed", "Timed out", "NCCL", "timed out",
+        "pair closure"))
+
+
+def failure_line(exc, limit=160):
+    """A collective's error in a few words: its first line without the source location gloo
+    puts first or its advice to check the remote logs; if still long, its end."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically caused")[0]
+    return text[-limit:]
+
+
+@contextmanager
+def lost_peer(run, state):
+    """A collective that failed because another rank died or went silent for --timeout, as one
+    line and a retryable exit (PeerLost) naming the checkpoint kept (`state`'s)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if run.world_size == 1 or not is_peer_failure(exc):
+            raise
+        raise PeerLost(f"rank {run.rank} lost contact with another rank ({failure_line(exc)}); "
+                       f"the last good checkpoint (epoch {state.epoch}) is kept in {run.out}; "
+                       "restart the job to resume") from None
+
+
+def before_training(method):
+    """A collective of the start-up (the recipe check, the checkpoint, the first weights): a
+    rank that stopped before training began, or went silent, ends the others with one line."""
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as exc:
+            if not is_peer_failure(exc):
+                raise
+            raise PeerLost(f"rank {self.rank} lost contact with another rank before training "
+                           f"began ({failure_line(exc)}); that rank's own output says why; "
+                           "the same command tries again") from None
+    return guarded
+
+
+class Comm:
+    """The collectives the scripts use; with a world of 1 each is a no-op."""
+
+    def __init__(self, rank, world_size, backend=None):
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+
+    def all_reduce_sum(self, tensor):
+        if self.world_size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def anyone_stopping(self, run, step, every=10):
+        """Has any rank been asked to stop (SIGTERM/SIGINT)?  The ranks agree every `every`
+        steps (a tiny all_reduce), so that all stop after the same step."""
+        if self.world_size == 1:
+            return run.stop.signum is not None
+        if step % every:
+            return False
+        signum = torch.tensor([run.stop.signum or 0], device=run.device)
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+        run.stop.signum = run.stop.signum or int(signum.item()) or None
+        return run.stop.signum is not None
+
+    def device(self):
+        """Where this backend's collectives take their tensors: nccl takes CUDA tensors only."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
+            else torch.device("cpu")
+
+    @before_training
+    def check_same_flags(self, args):
+        """Every rank runs rank 0's recipe: a wrapper that gives one rank another --seed would
+        silently overlap the shards, another --batch-size break a collective."""
+        if self.world_size == 1:
+            return
+        ours = vars(args)
+        differ = recipe_difference(self.broadcast_state(ours), ours, set(ours) - RANK_FLAGS)
+        anyone = torch.tensor([float(differ is not None)], device=self.device())
+        dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
+        if differ:
+            raise UserError(f"rank {self.rank}: {differ[0]} is {differ[2]} here but {differ[1]} "
+                            "on rank 0; start every rank with the same flags")
+        if anyone.item():
+            raise UserError(f"rank {self.rank}: another rank was started with other flags than "
+                            "rank 0 (its line names the flag); start every rank with the same "
+                            "flags")
+
+    @before_training
+    def broadcast_state(self, obj, src=0):
+        """Rank `src`'s plain data (what a checkpoint holds) on every rank, as torch.save writes
+        it (broadcast_object_list pickles each tensor with its whole storage: an async server's
+        checkpoint, views into one flat vector, grew 30-fold), read with weights_only."""
+        if self.world_size == 1:
+            return obj
+        device = self.device()
+        if self.rank == src:
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel() if self.rank == src else 0], device=device)
+        dist.broadcast(size, src=src)
+        if self.rank != src:
+            data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        dist.broadcast(data, src=src)
+        return obj if self.rank == src else load_plain(io.BytesIO(data.cpu().numpy().tobytes()))
+
+    @before_training
+    def broadcast_parameters(self, model, src=0):
+        """Every rank starts from rank `src`'s weights and buffers.  A collective sends memory
+        as it lies: a channels_last tensor goes through a contiguous copy, or arrives permuted."""
+        if self.world_size == 1:
+            return
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            data = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()
+            dist.broadcast(data, src=src)
+            if data is not tensor.data:
+                tensor.data.copy_(data)
+
+    def average_buffers(self, model):
+        """Average BatchNorm running statistics so that every rank evaluates one model."""
+        if self.world_size == 1:
+            return
+        for buf in model.buffers():
+            if buf.is_floating_point():
+                dist.all_reduce(buf.data)
+                buf.data /= self.world_size
+
+    def wait_for_all_ranks(self):
+        """After a successful run: every rank done with its collectives before any tears gloo
+        down.  A rank gone by then has done its part: the run is complete all the same."""
+        if self.world_size > 1:
+            try:
+                dist.barrier()
+            except RuntimeError as exc:
+                if not is_peer_failure(exc):
+                    raise
