@@ -12,12 +12,11 @@ Rank 0 is the parameter server; every other rank is a worker training on its own
 
 --batch-size is the global batch, as in sync SGD: each of N workers computes on batch / N
 samples, and N updates, each with the learning rate / N, make one step of sync SGD.  A gradient
-is *stale* by the updates applied between its worker's parameters leaving the server and it
-arriving: about N - 1.  The slides' rule (one momentum buffer, each gradient applied as it
-comes) diverges on this network with gradients one update stale; `Server.update` says what the
-server does instead (docs/async-sgd.md: why, and what each step gained).  The model is
-evaluated and saved once per epoch-equivalent of updates; when every worker has trained its
-epochs, the server writes its outputs and releases them.  The messages are common/messages.py's.
+arrives about N - 1 updates *stale*.  The slides' rule (one momentum buffer, each gradient
+applied as it comes) diverges on this network with gradients one update stale; the server does
+what `Server.update` says (docs/async-sgd.md: why, and what each step gained).  It evaluates and
+checkpoints once per epoch-equivalent of updates; when every worker has trained its epochs, it
+writes its outputs and releases them.  The messages: common/messages.py.
 """
 import dataclasses
 import math
@@ -30,10 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import data, distributed, flags, training
-from common.collectives import failure_line, is_peer_failure
 from common.launch import detect_launch
 from common.loader import make_loader
-from common.inbox import Heartbeat, Inbox, release, wait_for_sends
+from common.inbox import Heartbeat, Inbox, lost_worker, release, wait_for_sends
 from common.messages import (CONTINUE, DONE, GRADIENT, HEADER, STOPPING, Messages,
                              losing_the_server, stop_error, wait_for_release)
 from common.model import build_model
@@ -44,20 +42,19 @@ from common.run import start_run
 SCRIPT = "async_sgd_cifar100"
 TARGET = 60.0  # the homework's test-accuracy target, % (on cifar100)
 
-# The recipe: sync SGD's, with --batch-size the global batch (each of N workers computes on
-# batch / N samples, each update uses --lr / N): 40 epochs; momentum 0.9 (per worker, below),
-# weight decay 5e-4 on conv and linear weights; the learning rate warms up linearly to 0.1
-# over the first epoch, then follows a cosine to 0, per update; random crop and flip; label
-# smoothing 0.1 on the training loss only.
+# The recipe: sync SGD's, each of N workers computing on --batch-size / N samples and each
+# update using --lr / N: 40 epochs; Nesterov momentum 0.9 (one buffer per worker, below); weight
+# decay 5e-4 on conv and linear weights; a linear warm-up to 0.1 over the first epoch, then a
+# cosine to 0, per update; random crop and flip; label smoothing 0.1 on the training loss.
 RECIPE = dict(epochs=40, batch_size=128, lr=0.1, momentum=0.9, weight_decay=5e-4,
               warmup_epochs=1.0, label_smoothing=0.1)
 PULL, PULL_FROM = 0.2, 2  # the rule's pull: P / N of the way back, from 2 updates stale
 
+
 # ----------------------------------------------------------------------------------- worker
 
 def worker(model, train_loader, args, run, position):
-    """Algorithm 2's worker, on its shard from batch `position` on (a resumed run's: after the
-    batches whose gradients the server had applied when it wrote its checkpoint)."""
+    """Algorithm 2's worker on its shard, from batch `position` (where a resumed run was) on."""
     messages = Messages(model, train_loader.batch_size)
     message, reply = torch.zeros(messages.size), torch.zeros(messages.reply_size)
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
@@ -65,35 +62,31 @@ def worker(model, train_loader, args, run, position):
     model.fc.register_forward_pre_hook(lambda module, inputs: head_input.update(x=inputs[0]))
     sent = 0
     model.train()
-    for images, labels in shard_batches(train_loader, args.epochs, position):
-        with run.autocast():
-            output = model(images)
-            loss = criterion(output, labels)
-        model.zero_grad(set_to_none=True)
-        loss.backward()
-        messages.pack(message, loss, output, labels, head_input["x"])
-        answer = dist.irecv(reply, src=0)  # the server's reply ...
-        dist.isend(message, dst=0).wait()  # ... to this gradient
-        answer.wait()
-        sent += 1
-        if reply[0].item() != CONTINUE:  # the server says stop, with this exit status
-            raise stop_error(int(reply[0].item()), run.rank, resume_hint(args))
-        messages.load_parameters(reply[1:])  # continue from the server's parameters
-        if run.stop.signum:  # this worker was asked to stop: tell the server
-            message[0] = STOPPING
-            dist.isend(message, dst=0).wait()
-            raise Interrupted(f"worker {run.rank}: stopped by {run.stop.name}; the server "
-                              "writes the checkpoint", run.stop.signum)
-        time.sleep(args.straggler_delay if run.rank == 1 else 0)  # --straggler-delay: it lags
-    message[:HEADER] = torch.tensor([DONE, sent, 0, 0])
-    dist.isend(message, dst=0).wait()
-
-
-def shard_batches(train_loader, epochs, position):
-    """This worker's batches after the first `position`: its shard, a new order every epoch."""
     first_epoch, first_step = divmod(position, len(train_loader))
-    for epoch in range(first_epoch, epochs):
-        yield from train_loader.epoch_batches(epoch, first_step if epoch == first_epoch else 0)
+    for epoch in range(first_epoch, args.epochs):  # its shard, in a new order each epoch
+        for images, labels in train_loader.epoch_batches(
+                epoch, start=first_step if epoch == first_epoch else 0):
+            with run.autocast():
+                output = model(images)
+                loss = criterion(output, labels)
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            messages.pack(message, loss, output, labels, head_input["x"])
+            answer = dist.irecv(reply, src=0)  # the server's reply ...
+            dist.isend(message, dst=0).wait()  # ... to this gradient
+            answer.wait()
+            sent += 1
+            if reply[0].item() != CONTINUE:  # the server says stop, with this exit status
+                raise stop_error(int(reply[0].item()), run.rank, resume_hint(args))
+            messages.load_parameters(reply[1:])  # continue from the server's parameters
+            if run.stop.signum:  # this worker was asked to stop: tell the server
+                message[0] = STOPPING
+                dist.isend(message, dst=0).wait()
+                raise Interrupted(f"worker {run.rank}: stopped by {run.stop.name}; the server "
+                                  "writes the checkpoint", run.stop.signum)
+            time.sleep(args.straggler_delay if run.rank == 1 else 0)  # --straggler-delay
+    message[:HEADER] = torch.tensor([DONE, sent, 0, 0])  # its epochs are trained
+    dist.isend(message, dst=0).wait()
 
 
 # ----------------------------------------------------------------------------------- server
@@ -114,7 +107,7 @@ class Server:
     arrives (`update`), evaluates and checkpoints once per epoch-equivalent of updates."""
 
     def __init__(self, model, n_workers, args, run, test_loader, state, updates_per_epoch,
-                 folder):
+                 positions, folder):
         self.model, self.args, self.run, self.test_loader = model, args, run, test_loader
         self.state, self.folder, self.n, self.per_epoch = state, folder, n_workers, updates_per_epoch
         self.workers = list(range(1, n_workers + 1))
@@ -127,19 +120,17 @@ class Server:
                          else torch.zeros_like(self.theta) for w in self.workers}
         self.momentum_sum = torch.stack(list(self.momentum.values())).sum(0)
         self.gap = torch.empty_like(self.theta)
-        # The replies, [status | parameters]; `sent`: the parameters each worker computes on (on
-        # a CPU the reply's own; on a GPU a copy kept there)
+        # `sent`: the parameters each worker computes on (on a CPU, its reply's; on a GPU, a copy)
         self.replies = {w: torch.zeros(self.messages.reply_size) for w in self.workers}
         on_cpu = self.theta.device.type == "cpu"
         self.sent = {w: self.replies[w][1:] if on_cpu else self.theta.clone() for w in self.workers}
         for w in self.workers:  # every worker starts from theta
             self.sent[w].copy_(self.theta)
-        self.position = dict(zip(self.workers, resume_positions(state, n_workers,
-                                                                updates_per_epoch, args)))
+        self.position = dict(zip(self.workers, positions))  # where each is in its batches
+        self.resumed_at = dict(self.position)
         self.version = sum(self.position.values())  # the updates done
         self.sent_version = {w: self.version for w in self.workers}
         self.pending, self.gone, self.broken = {}, set(), False  # replies in flight; workers lost
-        self.applied = {w: 0 for w in self.workers}
         self.statistics = {}  # each worker's latest BatchNorm running statistics
         done = self.version % updates_per_epoch
         if done:  # a run stopped inside an epoch goes on with that epoch's bookkeeping
@@ -148,8 +139,7 @@ class Server:
         self.new_epoch(state.extra.get("epoch_so_far") if done else None)
 
     def lr(self, version):
-        """The learning rate of update `version`: the schedule's, divided among the N updates
-        that make up one global batch."""
+        """The learning rate of update `version`: the schedule's, shared by N updates."""
         return self.args.lr / self.n * training.lr_factor(version, self.args, self.per_epoch)
 
     @torch.no_grad()
@@ -203,22 +193,19 @@ class Server:
         samples, correct, loss_sum = message[1:HEADER].tolist()
         gradient, buffers, features, labels = self.messages.unpack(
             message.to(self.theta.device))
-        if worker in self.pending:  # the reply to its last gradient has left `sent[worker]`
-            self.pending.pop(worker).wait()
+        if worker in self.pending:  # it computed this gradient on our last reply: that has
+            self.pending.pop(worker).wait()  # left `sent[worker]`, which `update` overwrites
         self.epoch.staleness.append(self.version - self.sent_version[worker])
         self.epoch.pulled += self.update(worker, gradient, features, labels)
         self.statistics[worker] = buffers.clone()
         self.version += 1
-        self.applied[worker] += 1
         self.position[worker] += 1
         self.epoch.totals = [a + b for a, b in zip(self.epoch.totals, (loss_sum, correct, samples))]
 
     def reply(self, worker, status, active):
         """Send `worker` its status and the parameters `update` left for it (one message); if
         it is gone, it leaves `active` and the PeerLost to stop with is returned."""
-        if worker in self.pending:
-            self.pending.pop(worker).wait()  # the last reply has left this one's buffer
-        message = self.replies[worker]
+        message = self.replies[worker]  # (its last one has arrived: it has sent since)
         message[0] = status
         if self.sent[worker].data_ptr() != message[1:].data_ptr():  # on a GPU
             message[1:].copy_(self.sent[worker])
@@ -233,7 +220,7 @@ class Server:
         """Until every worker is done or stopped, or one is lost: receive a gradient from
         whichever worker sends first, apply it, reply with parameters."""
         self.heartbeat = Heartbeat(self.args.timeout)  # to the workers done, until released
-        inbox = Inbox(self.workers, self.messages.size, self.args.timeout, self.on_arrival)
+        inbox = Inbox(self.workers, self.messages.size, self.args.timeout, self.heartbeat)
         active, finished, failure = set(self.workers), {}, None
         while active:
             worker, message, error = inbox.next()  # from whichever worker sends first
@@ -262,28 +249,12 @@ class Server:
                 self.end_epoch()  # evaluate; checkpoint.pt, metrics.csv, curve.png
         self.finish(finished, failure)
 
-    def on_arrival(self, worker, message):
-        """From the Inbox's thread: a worker done waits for its release from now on, so the
-        heartbeat covers it now, not once the loop reads its DONE (maybe after an epoch end
-        longer than --timeout)."""
-        if message[0].item() == DONE:
-            self.heartbeat.add(worker)
-
     def lost(self, worker, error, active):
-        """The PeerLost to stop with: `worker` died or sent nothing for --timeout (None: one of
-        the active ones, from a receive from any source, after which nothing can be sent)."""
-        if not (isinstance(error, TimeoutError) or is_peer_failure(error)):
-            raise error
-        if worker is None:
-            why = (f"one of workers {sorted(active)}: one died, or sent nothing for --timeout "
-                   f"{self.args.timeout:g} s ({failure_line(error, 100)})")
-            self.broken = True
-            active.clear()
-        elif isinstance(error, TimeoutError):  # the Inbox's
-            why = f"worker {worker}: {error}"
-        else:  # its own receive or send failed: its connection closed
-            why = f"worker {worker}: it died ({failure_line(error, 100)})"
-        active.discard(worker)
+        """The PeerLost to stop with: `worker` leaves `active` (None, from a receive from any
+        source: one of them, unknown, so all leave and none can be told anything more)."""
+        why = lost_worker(worker, error, active, self.args.timeout)
+        self.broken = self.broken or worker is None
+        active.difference_update(self.workers if worker is None else [worker])
         self.gone.add(worker)
         return PeerLost(f"the parameter server lost {why}; it saved the model after "
                         f"{self.version} updates (epoch {self.version // self.per_epoch} complete)"
@@ -293,8 +264,8 @@ class Server:
         """The exception to stop everyone with: a signal here or at a worker, a bad loss."""
         if kind == STOPPING or self.run.stop.signum:
             signum = self.run.stop.signum or signal.SIGTERM
-            return Interrupted(f"stopped by {signal.Signals(signum).name} after {self.version} updates: "
-                               f"checkpoint written to {self.folder.checkpoint}; "
+            return Interrupted(f"stopped by {signal.Signals(signum).name} after {self.version} "
+                               f"updates: checkpoint written to {self.folder.checkpoint}; "
                                f"{resume_hint(self.args)}", signum)
         if not math.isfinite(message[3].item()):
             return NonFiniteLoss(f"loss became non-finite after {self.version} updates; the last "
@@ -307,14 +278,12 @@ class Server:
         self.started = self.last_update = time.perf_counter() - self.epoch.seconds
 
     def average_statistics(self):
-        """The model's BatchNorm statistics: the mean of the workers' latest (as sync SGD
-        averages them over ranks), so that one model is evaluated and saved."""
+        """The model's BatchNorm statistics: the mean of the workers' latest (as sync SGD's)."""
         if self.statistics:
             self.messages.load_buffers(torch.stack(list(self.statistics.values())).mean(0))
 
     def keep_in_checkpoint(self):
-        """What checkpoint.pt keeps of the server: the updates done, where each worker is in its
-        stream of batches, the momentum buffers, the epoch in progress."""
+        """The updates done, each worker's place, the momentum buffers, the epoch so far."""
         self.state.extra = {
             "updates": self.version, "positions": [self.position[w] for w in self.workers],
             "batches_per_worker": self.per_epoch // self.n,
@@ -340,13 +309,13 @@ class Server:
                               f"{row['max_staleness']} | {100 * row['pulled']:.0f}% pulled")
 
     def finish(self, finished, failure):
-        """The end of the run: the last replies sent, the last (partial) epoch written, or the
-        checkpoint a stopped run resumes from; then each worker done is released, with the
-        exit status, and the failure (if any) raised."""
+        """The last replies sent; the last (partial) epoch written, or the checkpoint a stopped
+        run resumes from; each worker done released, with the exit status; `failure` raised."""
         if not self.broken:  # else they may never complete
             wait_for_sends(self.pending, self.gone, failure)
         for worker, sent in sorted(finished.items()):
-            self.run.log(f"worker {worker}: {sent} gradients sent, {self.applied[worker]} applied")
+            applied = self.position[worker] - self.resumed_at[worker]
+            self.run.log(f"worker {worker}: {sent} gradients sent, {applied} applied")
         if self.epoch.staleness and failure is None:
             self.end_epoch()  # updates after the last full epoch-equivalent
         if isinstance(failure, (Interrupted, PeerLost)):
@@ -360,17 +329,14 @@ class Server:
             raise failure
 
 
-def resume_positions(state, n_workers, updates_per_epoch, args):
+def resume_positions(state, n_workers, updates_per_epoch):
     """Where each worker resumes in its stream of batches: after those the server had applied
     when it wrote the checkpoint, so that an epoch stopped inside trains each batch once.  A
     checkpoint without them (or of another number of workers or batches) resumes at the start
     of the interrupted epoch, its updates kept in the parameters."""
-    batches = updates_per_epoch // n_workers
-    saved = state.extra.get("positions")
-    if (saved is not None and len(saved) == n_workers
-            and state.extra.get("batches_per_worker") == batches
-            and sum(saved) == state.extra.get("updates")
-            and max(saved) <= args.epochs * batches):
+    batches, saved = updates_per_epoch // n_workers, state.extra.get("positions")
+    if saved is not None and len(saved) == n_workers and sum(saved) == state.extra.get(
+            "updates") and state.extra.get("batches_per_worker") == batches:
         return [int(p) for p in saved]
     return [state.epoch * batches] * n_workers
 
@@ -407,28 +373,27 @@ def main(argv=None):
         # The server never trains: a contiguous copy halves its work per update (BENCHMARKS.md).
         model = run.prepare(model) if comm.rank else model.to(run.device)
         state = folder.resume(model, comm=comm)  # the server's momentum is in state.extra
+        positions = resume_positions(state, n_workers, updates_per_epoch)
         comm.broadcast_parameters(model)  # every worker starts from the server's weights
-        if comm.rank == 0:  # the server alone evaluates
-            test_loader = make_loader(test_set, args, run, train=False)
-            if args.evaluate:
-                return training.evaluate_checkpoint(model, test_loader, run, folder, state)
+        if comm.rank == 0 and args.evaluate:  # the server alone evaluates
+            training.evaluate_checkpoint(model, make_loader(test_set, args, run, train=False),
+                                         run, folder, state)
+        elif comm.rank == 0:
             run.log(training.describe(run, args, model, train_set, test_set,
                                       f"1 server + {n_workers} worker{'s' * (n_workers > 1)} x "
                                       f"batch {batch} = global batch {batch * n_workers}, "
                                       f"{updates_per_epoch} updates per epoch"))
             folder.write_config(state, updates_per_epoch=updates_per_epoch)
-            Server(model, n_workers, args, run, test_loader, state, updates_per_epoch,
-                   folder).serve()
+            Server(model, n_workers, args, run, make_loader(test_set, args, run, train=False),
+                   state, updates_per_epoch, positions, folder).serve()
             run.log(f"final test accuracy: {state.rows[-1]['test_acc']:.2f}%")
-            comm.wait_for_all_ranks()
         elif not args.evaluate:  # the workers shard the training set among themselves
             train_loader = make_loader(train_set, args, run, train=True, batch_size=batch,
                                        rank=comm.rank - 1, world_size=n_workers)
-            positions = resume_positions(state, n_workers, updates_per_epoch, args)
             with losing_the_server(run.rank):  # one line, exit 200
                 worker(model, train_loader, args, run, positions[comm.rank - 1])
             wait_for_release(run.rank, resume_hint(args))
-            comm.wait_for_all_ranks()
+        comm.wait_for_all_ranks()
 
 
 if __name__ == "__main__":

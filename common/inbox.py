@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import failure_line, is_peer_failure
-from .messages import ALIVE
+from .messages import ALIVE, DONE
 from .run import PeerLost
 
 
@@ -23,11 +23,12 @@ class Inbox:
     worker's shard went untrained.)  A thread receives once its peer's next message is
     `expect`ed, into a buffer of its own.  The timeout is kept here, not by gloo, which closes
     every pair of the group when one receive times out: the others can still be told to stop.
-    The mpi backend runs one operation at a time: there, one receive from any source.
-    `on_arrival(peer, message)` is called the moment a message lands, from its thread."""
+    The mpi backend runs one operation at a time: there, one receive from any source.  A worker
+    that sends DONE waits for its release from then on: the `heartbeat` covers it from the
+    moment that lands, not once the server reads it (maybe after an epoch end > timeout)."""
 
-    def __init__(self, peers, size, timeout, on_arrival):
-        self.arrived, self.timeout, self.on_arrival = queue.Queue(), timeout, on_arrival
+    def __init__(self, peers, size, timeout, heartbeat):
+        self.arrived, self.timeout, self.heartbeat = queue.Queue(), timeout, heartbeat
         self.threaded = dist.get_backend() == "gloo"
         self.messages = {p: torch.zeros(size) for p in peers}
         self.allowed = {p: threading.Semaphore(0) for p in peers}  # receive its next now
@@ -46,8 +47,12 @@ class Inbox:
             except RuntimeError as exc:  # it died (gloo's error says so)
                 self.arrived.put((peer, exc))
                 return
-            self.on_arrival(peer, self.messages[peer])
+            self.landed(peer, self.messages[peer])
             self.arrived.put((peer, None))
+
+    def landed(self, peer, message):
+        if message[0].item() == DONE:
+            self.heartbeat.add(peer)
 
     def expect(self, peer):
         """Receive `peer`'s next message (its buffer is free again) within the timeout."""
@@ -63,7 +68,7 @@ class Inbox:
                 peer = dist.recv(message)
             except RuntimeError as exc:
                 return None, None, exc
-            self.on_arrival(peer, message)
+            self.landed(peer, message)
             return peer, message, None
         while True:
             late = min(self.due, key=self.due.get)
@@ -135,3 +140,16 @@ def wait_for_sends(pending, gone, failure):
         except RuntimeError as exc:
             if failure is None or not (isinstance(failure, PeerLost) or is_peer_failure(exc)):
                 raise
+
+
+def lost_worker(worker, error, active, timeout):
+    """Which worker the server lost and how, for its line: `worker` died or sent nothing for
+    --timeout (None: one of the `active` ones, from a receive from any source)."""
+    if not (isinstance(error, TimeoutError) or is_peer_failure(error)):
+        raise error
+    if worker is None:
+        return (f"one of workers {sorted(active)}: one died, or sent nothing for --timeout "
+                f"{timeout:g} s ({failure_line(error, 100)})")
+    if isinstance(error, TimeoutError):  # the Inbox's
+        return f"worker {worker}: {error}"
+    return f"worker {worker}: it died ({failure_line(error, 100)})"  # its connection closed
