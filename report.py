@@ -25,6 +25,7 @@ import os
 import reprlib
 import statistics
 import sys
+from pathlib import Path
 
 from common.checkpoint import atomic_write
 from common.flags import HelpFormatter, Parser
@@ -33,25 +34,33 @@ from common.run import UserError, execute
 # The homework's test-accuracy targets, %: a copy of each main's TARGET constant and of the data
 # set it applies to (each main passes target=TARGET only when args.dataset is that one).
 # tests/test_report.py checks that the two agree.  Their order is the table's.
-TARGETS = {
-    "resnet_cifar100": ("cifar100", 60.0),
-    "resnet_tinyimagenet": ("tinyimagenet", 50.0),
-    "pretrained_cifar100": ("cifar100", 70.0),
-    "sync_sgd_cifar100": ("cifar100", 60.0),
-    "async_sgd_cifar100": ("cifar100", 60.0),
-}
-METRIC_COLUMNS = ("epoch", "test_acc", "elapsed_seconds", "images_per_s")
-STALENESS_COLUMNS = ("mean_staleness", "max_staleness")  # the async runs'
-# What each metrics.csv column that report.py reads must hold, besides a finite number.
-METRIC_VALUES = {"epoch": (lambda v: v >= 1 and v == int(v), "a whole number from 1"),
-                 "test_acc": (lambda v: 0 <= v <= 100, "a percentage from 0 to 100"),
-                 **{c: (lambda v: v >= 0, "a number from 0") for c in
-                    ("elapsed_seconds", "images_per_s", *STALENESS_COLUMNS)}}
+TARGETS = {"resnet_cifar100": ("cifar100", 60.0),
+           "resnet_tinyimagenet": ("tinyimagenet", 50.0),
+           "pretrained_cifar100": ("cifar100", 70.0),
+           "sync_sgd_cifar100": ("cifar100", 60.0),
+           "async_sgd_cifar100": ("cifar100", 60.0)}
 TABLE = ["run", "task", "data set", "architecture", "target", "final test acc", "best test acc",
          "epochs", "wall time", "images/s", "ranks / workers", "precision",
          "staleness mean / max", "target met"]
 PANEL_INCHES = (5.2, 4.4)  # one panel of report.png
 DPI = 100
+
+# What report.py reads of a run's files: each field's test and, in words, what it must be.
+# config.json's "args.x" is config["args"]["x"]; a count is an int, not JSON's true or false.
+TEXT = (lambda v: isinstance(v, str) and v.isprintable() and v.strip() != "", "a line of text")
+COUNT = (lambda v: type(v) is int and v >= 1, "a positive integer")
+LIMIT = (lambda v: v is None or (type(v) is int and v >= 1), "a positive integer or null")
+CONFIG_FIELDS = {"script": TEXT, "arch": TEXT, "world_size": COUNT, "precision": TEXT,
+                 "args.dataset": TEXT, "args.epochs": COUNT, "args.batch_size": COUNT}
+# A run from before --dummy and --train-limit/--test-limit lacks these: Run takes real data, all.
+OPTIONAL_FIELDS = {"args.dummy": (lambda v: isinstance(v, bool), "true or false"),
+                   "args.train_limit": LIMIT, "args.test_limit": LIMIT}
+# metrics.csv's columns: each a finite number, and more; only the async runs' have staleness.
+FROM_0 = (lambda v: v >= 0, "a number from 0")
+METRIC_COLUMNS = {"epoch": (lambda v: v >= 1 and v == int(v), "a whole number from 1"),
+                  "test_acc": (lambda v: 0 <= v <= 100, "a percentage from 0 to 100"),
+                  "elapsed_seconds": FROM_0, "images_per_s": FROM_0}
+STALENESS_COLUMNS = {"mean_staleness": FROM_0, "max_staleness": FROM_0}
 
 
 class NotARun(Exception):
@@ -65,7 +74,7 @@ class Run:
         self.folder, self.name, self.config, self.rows = folder, name, config, rows
         args = config["args"]
         self.script, self.arch = config["script"], config["arch"]
-        self.dataset, self.batch, self.planned = args["dataset"], args["batch_size"], args["epochs"]
+        self.dataset, self.planned = args["dataset"], args["epochs"]
         # not a homework result: random data (--dummy), or a subset (--train-limit/--test-limit)
         self.dummy = args.get("dummy", False)
         self.limits = args.get("train_limit"), args.get("test_limit")
@@ -74,9 +83,6 @@ class Run:
         self.target = target if self.dataset == own_dataset else None
         self.done = int(rows[-1]["epoch"])
         self.in_progress = self.done < self.planned
-        self.final = rows[-1]["test_acc"]
-        self.best = max(r["test_acc"] for r in rows)
-        self.is_async = "updates_per_epoch" in config  # the parameter server's config has it
         self.staleness = [r for r in rows if all(c in r for c in STALENESS_COLUMNS)]
 
     @property
@@ -90,17 +96,15 @@ class Run:
 
     @property
     def layout(self):
-        """Who computed: the processes and the batch each one saw."""
-        world = self.config["world_size"]
-        if self.is_async:
-            workers = world - 1  # --batch-size is the global batch, split over the workers
-            per_worker = self.batch // workers
-            return (f"1 server + {workers} worker{'s' * (workers > 1)} x {per_worker} = "
-                    f"global batch {per_worker * workers}")
-        if world > 1:  # sync SGD: --batch-size is the global batch, split over the ranks
-            per_rank = self.batch // world
-            return f"{world} ranks x {per_rank} = global batch {per_rank * world}"
-        return f"1 process, batch {self.batch}"
+        """Who computed: the processes, and the share of the global batch each one took."""
+        world, batch = self.config["world_size"], self.config["args"]["batch_size"]
+        if "updates_per_epoch" in self.config:  # async SGD: a server and its workers
+            workers = world - 1
+            return (f"1 server + {workers} worker{'s' * (workers > 1)} x {batch // workers} = "
+                    f"global batch {batch // workers * workers}")
+        if world > 1:  # sync SGD
+            return f"{world} ranks x {batch // world} = global batch {batch // world * world}"
+        return f"1 process, batch {batch}"
 
     @property
     def label(self):
@@ -114,12 +118,13 @@ class Run:
         return f"{name} ({', '.join(detail)})"
 
     def table_row(self):
+        final, best = self.rows[-1]["test_acc"], max(r["test_acc"] for r in self.rows)
         target = "-" if self.target is None else f"{self.target:g}%"
         if self.target is None:
             met = "- (no target on this data set)"
         elif self.dummy or self.subset:
             met = f"- ({'dummy data' if self.dummy else 'a subset'}: not a homework result)"
-        elif self.final >= self.target:
+        elif final >= self.target:
             met = "yes"
         else:
             met = "not yet" if self.in_progress else "no"
@@ -129,8 +134,8 @@ class Run:
                          f"{max(r['max_staleness'] for r in self.staleness):g}")
         epochs = f"{self.done}/{self.planned}" + (" (in progress)" if self.in_progress else "")
         images_per_s = statistics.median(r["images_per_s"] for r in self.rows)
-        return [self.name, self.script, self.data, self.arch, target, f"{self.final:.2f}%",
-                f"{self.best:.2f}%", epochs, duration(self.rows[-1]["elapsed_seconds"]),
+        return [self.name, self.script, self.data, self.arch, target, f"{final:.2f}%",
+                f"{best:.2f}%", epochs, duration(self.rows[-1]["elapsed_seconds"]),
                 f"{images_per_s:.0f}", self.layout, self.config["precision"], staleness, met]
 
 
@@ -140,32 +145,6 @@ def duration(seconds):
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
-# ------------------------------------------------------------------------------- reading
-
-def is_count(value):
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def is_text(value):
-    return isinstance(value, str) and value.isprintable() and value.strip() != ""
-
-
-# What report.py reads of config.json ("args.x" is config["args"]["x"]): each field's test, what
-# it must be, and whether an older run may lack it (Run then takes the default: real data, all).
-CONFIG_FIELDS = {
-    "script": (is_text, "a line of text", False),
-    "arch": (is_text, "a line of text", False),
-    "world_size": (is_count, "a positive integer", False),
-    "precision": (is_text, "a line of text", False),
-    "args.dataset": (is_text, "a line of text", False),
-    "args.epochs": (is_count, "a positive integer", False),
-    "args.batch_size": (is_count, "a positive integer", False),
-    "args.dummy": (lambda v: isinstance(v, bool), "true or false", True),
-    "args.train_limit": (lambda v: v is None or is_count(v), "a positive integer or null", True),
-    "args.test_limit": (lambda v: v is None or is_count(v), "a positive integer or null", True),
-}
 
 
 def read_config(folder):
@@ -180,23 +159,23 @@ def read_config(folder):
         raise NotARun(f"config.json is not readable JSON ({why})") from None
     if not isinstance(config, dict) or not isinstance(config.get("args"), dict):
         raise NotARun("config.json holds no 'args' object")
-    for key, (test, what, optional) in CONFIG_FIELDS.items():
+    for key, (test, what) in {**CONFIG_FIELDS, **OPTIONAL_FIELDS}.items():
         holder, name = (config["args"], key[5:]) if key.startswith("args.") else (config, key)
         if name not in holder:
-            if optional:
+            if key in OPTIONAL_FIELDS:
                 continue
             raise NotARun(f"config.json lacks '{key}'")
         if not test(holder[name]):
             raise NotARun(f"config.json: '{key}' is {reprlib.repr(holder[name])}, not {what}")
     # the processes that each take a share of the global batch: the workers of an async run
-    world = config["world_size"]
+    world, batch = config["world_size"], config["args"]["batch_size"]
     takers = world - 1 if "updates_per_epoch" in config else world
     if takers < 1:
         raise NotARun(f"config.json: an async run (it has 'updates_per_epoch') with "
                       f"'world_size' {world}; it needs a server and at least one worker")
-    if config["args"]["batch_size"] < takers:
-        raise NotARun(f"config.json: 'args.batch_size' {config['args']['batch_size']} is less "
-                      f"than its {takers} ranks or workers")
+    if batch < takers:
+        raise NotARun(f"config.json: 'args.batch_size' {batch} is less than its {takers} ranks "
+                      "or workers")
     return config
 
 
@@ -225,7 +204,7 @@ def read_metrics(folder):
             row = {c: float(v) for c, v in line.items() if v != ""}
         except ValueError:
             raise NotARun(f"metrics.csv line {number} holds something not a number") from None
-        for column, (test, what) in METRIC_VALUES.items():
+        for column, (test, what) in {**METRIC_COLUMNS, **STALENESS_COLUMNS}.items():
             if column in row and not (math.isfinite(row[column]) and test(row[column])):
                 raise NotARun(f"metrics.csv line {number}: {column} is {row[column]:g}, "
                               f"not {what}")
@@ -235,25 +214,20 @@ def read_metrics(folder):
     return rows
 
 
-def run_folders(root):
-    """Folders under `root` (itself included) that hold any file a run writes."""
-    for folder, subfolders, files in os.walk(root):
-        subfolders.sort()
-        if {"config.json", "metrics.csv", "checkpoint.pt"} & set(files):
-            yield folder
-
-
 def find_runs(roots, say):
-    """Every run under `roots`; each folder skipped is passed to `say` as one line."""
+    """Every run under `roots`, and a line for each folder skipped (also passed to `say`)."""
     runs, skipped = [], []
     for root in roots:
         if not os.path.isdir(root):
             what = "a file, not a folder" if os.path.exists(root) else "no such folder"
             raise UserError(f"{root}: {what}; name the folder holding the runs "
                             "(the scripts' --out, runs/ by default)")
-        found = 0
-        for folder in run_folders(root):
-            found += 1
+        found = False
+        for folder, subfolders, files in os.walk(root):
+            subfolders.sort()
+            if not {"config.json", "metrics.csv", "checkpoint.pt"} & set(files):
+                continue  # no file that a run writes
+            found = True
             name = os.path.relpath(folder, root)
             name = os.path.basename(os.path.abspath(root)) if name == "." else name
             try:
@@ -267,8 +241,6 @@ def find_runs(roots, say):
     runs.sort(key=lambda r: (order.index(r.script) if r.script in order else len(order), r.name))
     return runs, skipped
 
-
-# ------------------------------------------------------------------------------- writing
 
 def markdown(runs, skipped):
     def cells(values):
@@ -289,71 +261,57 @@ def markdown(runs, skipped):
 def figure(runs):
     """Test accuracy per epoch, a panel per data set, the targets as dashed lines; then async
     runs' staleness per epoch.  A run keeps its colour in every panel."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib import rc_context
+    from matplotlib.figure import Figure  # not pyplot: no window, nothing to close
     from matplotlib.ticker import MaxNLocator
-
-    def shown(text):  # as written: a '$' in a folder or config value opens no formula
-        return text.replace("$", r"\$")
 
     datasets = list(dict.fromkeys(run.dataset for run in runs))
     stale = [run for run in runs if run.staleness]
     panels = len(datasets) + bool(stale)
-    fig, axes = plt.subplots(1, panels, figsize=(PANEL_INCHES[0] * panels, PANEL_INCHES[1]),
-                             dpi=DPI, squeeze=False)
-    axes = list(axes[0])
-    colour = {id(run): f"C{i % 10}" for i, run in enumerate(runs)}
-    for ax, dataset in zip(axes, datasets):
-        here = [run for run in runs if run.dataset == dataset]
-        for run in here:
-            ax.plot([r["epoch"] for r in run.rows], [r["test_acc"] for r in run.rows],
-                    "o--" if run.in_progress else "o-", color=colour[id(run)], ms=3, lw=1.5,
-                    label=shown(run.label))
-        targets = {}
-        for run in here:
-            if run.target is not None:
-                targets.setdefault(run.target, []).append(run.script)
-        for target, scripts in sorted(targets.items()):
-            ax.axhline(target, color="gray", ls="--", lw=1,
-                       label=shown(f"target {target:g}%: {', '.join(dict.fromkeys(scripts))}"))
-            ax.text(0.01, target + 1, f"target {target:g}%", color="gray", fontsize="x-small",
-                    transform=ax.get_yaxis_transform())  # x in axes fraction, y in data
-        ax.set(title=shown(f"{dataset}: test accuracy"), xlabel="epoch", ylabel="test accuracy (%)",
-               ylim=(0, 100))
-    if stale:
-        ax = axes[-1]
+    colour = {run: f"C{i % 10}" for i, run in enumerate(runs)}
+    # every text as written: a '$' in a folder or config value opens no formula
+    with rc_context({"text.parse_math": False}):
+        fig = Figure(figsize=(PANEL_INCHES[0] * panels, PANEL_INCHES[1]), dpi=DPI)
+        axes = fig.subplots(1, panels, squeeze=False)[0]
+        for ax, dataset in zip(axes, datasets):
+            here = [run for run in runs if run.dataset == dataset]
+            for run in here:
+                ax.plot([r["epoch"] for r in run.rows], [r["test_acc"] for r in run.rows],
+                        "o--" if run.in_progress else "o-", color=colour[run], ms=3, lw=1.5,
+                        label=run.label)
+            for target in sorted({run.target for run in here} - {None}):
+                scripts = dict.fromkeys(run.script for run in here if run.target == target)
+                ax.axhline(target, color="gray", ls="--", lw=1,
+                           label=f"target {target:g}%: {', '.join(scripts)}")
+                ax.text(0.01, target + 1, f"target {target:g}%", color="gray", fontsize="x-small",
+                        transform=ax.get_yaxis_transform())  # x in axes fraction, y in data
+            ax.set(title=f"{dataset}: test accuracy", xlabel="epoch",
+                   ylabel="test accuracy (%)", ylim=(0, 100))
         for run in stale:
             epochs = [r["epoch"] for r in run.staleness]
-            ax.plot(epochs, [r["mean_staleness"] for r in run.staleness], "o-",
-                    color=colour[id(run)], ms=3, label=shown(f"{run.name}: mean"))
-            ax.plot(epochs, [r["max_staleness"] for r in run.staleness], ":",
-                    color=colour[id(run)], label=shown(f"{run.name}: max"))
-        ax.set(title="async SGD: staleness per epoch", xlabel="epoch",
-               ylabel="updates between read and apply", ylim=(0, None))
-    for ax in axes:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize="x-small",
-                  frameon=False)
-    fig.tight_layout()
+            axes[-1].plot(epochs, [r["mean_staleness"] for r in run.staleness], "o-",
+                          color=colour[run], ms=3, label=f"{run.name}: mean")
+            axes[-1].plot(epochs, [r["max_staleness"] for r in run.staleness], ":",
+                          color=colour[run], label=f"{run.name}: max")
+        if stale:
+            axes[-1].set(title="async SGD: staleness per epoch", xlabel="epoch",
+                         ylabel="updates between read and apply", ylim=(0, None))
+        for ax in axes:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize="x-small",
+                      frameon=False)
+        fig.tight_layout()
     return fig
 
 
 def write_report(runs, skipped, out):
-    import matplotlib.pyplot as plt
     try:
         os.makedirs(out, exist_ok=True)
-        text = markdown(runs, skipped)
-
-        def write_text(tmp):
-            with open(tmp, "w") as f:
-                f.write(text)
-        atomic_write(os.path.join(out, "report.md"), write_text)
+        atomic_write(os.path.join(out, "report.md"),
+                     lambda tmp: Path(tmp).write_text(markdown(runs, skipped)))
         fig = figure(runs)
-        atomic_write(os.path.join(out, "report.png"),
-                     lambda tmp: fig.savefig(tmp, format="png"))
-        plt.close(fig)
+        atomic_write(os.path.join(out, "report.png"), lambda tmp: fig.savefig(tmp, format="png"))
     except OSError as exc:
         raise UserError(f"--out {out}: cannot write the report there ({exc.strerror}); "
                         "choose a writable folder") from None
@@ -370,12 +328,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    args.runs_dirs = args.runs_dirs or ["runs"]
-    runs, skipped = find_runs(args.runs_dirs, lambda line: print(line, file=sys.stderr))
+    roots = args.runs_dirs or ["runs"]
+    runs, skipped = find_runs(roots, lambda line: print(line, file=sys.stderr))
     if not runs:
-        raise UserError(f"no run to report under {', '.join(args.runs_dirs)}; train one first "
+        raise UserError(f"no run to report under {', '.join(roots)}; train one first "
                         "(e.g. python resnet_cifar100.py) or name the folders holding the runs")
-    out = args.out or args.runs_dirs[0]
+    out = args.out or roots[0]
     write_report(runs, skipped, out)
     in_progress = sum(run.in_progress for run in runs)
     print(f"{os.path.join(out, 'report.md')}, {os.path.join(out, 'report.png')}: "

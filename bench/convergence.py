@@ -21,6 +21,9 @@ minutes (quiet), --quick (one seed, a smaller yardstick) about 25 minutes.
 On a GPU machine: --device cuda --launcher torchrun --parallel K trains K runs at once, every
 rank of every run on the one GPU (over gloo: nccl takes one rank per GPU), so that many seeds
 fit in a few minutes; its figures are a machine kind of their own (--merge keeps them apart).
+
+--async-flags "..." adds flags to the async runs; where they hold an option of the update rule
+(--pull, --ahead, ...: bench/async_rules.py), those runs are `bench/async_rules.py` instead.
 """
 import csv
 import json
@@ -36,9 +39,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from util import REPO_ROOT, SMOKE, TESTS_DIR, log, out_of_time, set_budget, table
 
-# lr 0.15: on the plateau of one process's accuracy (bench/staleness.py, seed 0: 25.9 % at
-# 0.05, 37.3 % at 0.075, 45.5 % at 0.1, 45.0 % at 0.15); 0.05, used before, left every run
-# short of steps and measured that more than the update rule (BENCHMARKS.md, benchmark 5).
+# lr 0.15: on the plateau of one process's accuracy (the staleness simulator, since removed,
+# seed 0: 25.9 % at 0.05, 37.3 % at 0.075, 45.5 % at 0.1, 45.0 % at 0.15); 0.05, used before,
+# left every run short of steps and measured that more than the update rule (BENCHMARKS.md,
+# benchmark 5).
 FULL = dict(n_train=6400, n_test=2000, epochs=6, batch=64, lr=0.15, seeds=(0, 1, 2),
             sync=(2, 4, 8), workers=(1, 2, 4, 8))
 # --quick and the smoke sizes keep lr 0.05: not swept (their numbers check the code paths
@@ -73,10 +77,12 @@ def command(kind, processes, data_dir, out, cfg, seed):
         flags += cfg.get("async_flags", [])
     if kind == "one process":
         return [sys.executable, os.path.join(REPO_ROOT, "resnet_cifar100.py"), *flags]
-    script = os.path.join(REPO_ROOT, "sync_sgd_cifar100.py" if kind == "sync"
+    from async_rules import uses_options
+    script = os.path.join(REPO_ROOT, "sync_sgd_cifar100.py" if kind == "sync" else
+                          "bench/async_rules.py" if uses_options(cfg.get("async_flags", []))
                           else "async_sgd_cifar100.py")
     if cfg.get("launcher") == "torchrun":  # where there is no MPI (threads: the environment's)
-        from common.launch import free_port
+        from common.network import free_port
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                 str(processes), "--master-port", str(free_port()), script, *flags]
     from param_server import mpirun
@@ -139,7 +145,7 @@ def summary(results):
     for name, per_seed in results.items():
         finals = [rows[-1]["test_acc"] for rows in per_seed.values()]
         train_losses = [rows[-1]["train_loss"] for rows in per_seed.values()]
-        # the share of updates --pull pulled back (runs recorded before the column have none)
+        # the share of updates the rule pulled back (runs recorded before the column have none)
         pulled = [r["pulled"] for rows in per_seed.values() for r in rows if "pulled" in r]
         epochs = len(next(iter(per_seed.values())))
         out[name] = {
@@ -200,7 +206,7 @@ def report(cfg, stats, walls, names):
     """Print the table from `summary`'s `stats`: per run, the accuracy per epoch and the final
     one (mean over seeds), its spread, the final training loss, the gaps to sync in both with
     their standard errors, staleness.  The training loss's gap is the steadier measure of how
-    well a rule optimises (BENCHMARKS.md, "Many seeds at once")."""
+    well a rule optimises."""
     references = {name: ref for name, _, _, ref in runs(cfg)}
     header = ["run", *[f"epoch {e + 1}" for e in range(cfg["epochs"])], "final mean",
               "min", "max", "seeds", "train loss", "gap to sync", "train loss gap",
@@ -343,7 +349,7 @@ if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the asyn
     p.add_argument("--quick", action="store_true")
     p.add_argument("--epochs", type=int, help="instead of the benchmark's (a longer budget)")
     p.add_argument("--async-flags", default="", help='added to the async runs, e.g. '
-                   '"--dc-lambda 0"')
+                   '"--pull 0.4" (an option of the rule: they run bench/async_rules.py)')
     p.add_argument("--flags", default="", help='added to every run, e.g. "--momentum 0.95"')
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where every rank computes (cuda: all on GPU 0)")

@@ -127,7 +127,7 @@ def run(quick):
     from training import flops_per_image
     from common.model import HW4ResNet
     device = torch.device("cpu") if dry else torch.device("cuda")
-    if device.type == "cuda":  # what process.start sets for the scripts
+    if device.type == "cuda":  # what common.run.start_run sets for the scripts
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

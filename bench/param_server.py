@@ -16,9 +16,8 @@ At the script's default batch of 128 a worker's step takes about a second on one
 the server is nearly idle; a run at a small batch (more updates per second for the same server
 work per update) shows how far that margin goes.
 
-Then a slow worker (`slow_worker`): 2 workers, one of them half as fast, by default (it still
-trains on all of its shard, so it sets the run's length) and with --share-work (the run ends
-after its updates, whichever workers made them), against the same run at equal speeds; and
+Then a slow worker (`slow_worker`): 2 workers, one of them half as fast (it still trains on
+all of its shard, so it sets the run's length), against the same run at equal speeds; and
 sync SGD on 2 ranks, one of them as slow.
 """
 import csv
@@ -136,20 +135,17 @@ def run(quick):
 
 def slow_worker(quick):
     """2 workers, worker 1 made half as fast (--straggler-delay: one step's time of sleep after
-    each step): how long the run's training takes, against the same run at equal speeds, by
-    default (each worker trains on all of its shard, so the slow one sets the run's length)
-    and with --share-work (the run ends after its updates, whoever made them; at rates 1 and
-    1/2 ideally 2 / 1.5 = 1.33 times as long); and sync SGD on 2 ranks, rank 1 slowed alike
-    (every rank waits for it at every step: ideally 2 times as long)."""
+    each step): how long the run's training takes, against the same run at equal speeds (each
+    worker trains on all of its shard, so the slow one sets the run's length, while the fast
+    one's gradients are applied without waiting for it); and sync SGD on 2 ranks, rank 1
+    slowed alike (every rank waits for it at every step: ideally 2 times as long)."""
     batch, per_worker = (16, 4) if SMOKE else (128, 6 if quick else 10)
     log(f"[3] a slow worker: 2 workers, batch {batch}, {per_worker} updates/worker/epoch")
     equal, _, _ = run_one(2, batch, per_worker, timeout=600)
     delay = 2.0 / equal["updates_per_s"]  # one worker's step: 2 workers make 2 updates in it
     slow = ("--straggler-delay", f"{delay:.3f}")
-    runs = [("async, equal speeds", equal, equal)]
-    for name, extra in (("async, worker 1 slowed", slow),
-                        ("async, worker 1 slowed, --share-work", (*slow, "--share-work"))):
-        runs.append((name, run_one(2, batch, per_worker, 600, extra)[0], equal))
+    runs = [("async, equal speeds", equal, equal),
+            ("async, worker 1 slowed", run_one(2, batch, per_worker, 600, slow)[0], equal)]
     sync = "sync_sgd_cifar100.py"
     sync_equal = run_one(2, batch, per_worker, 600, script=sync)[0]
     runs += [("sync, equal speeds", sync_equal, sync_equal),

@@ -6,10 +6,11 @@
 
 1. step      training step: our loop vs the batch in place vs torchvision's per-sample
              pipeline; the data path alone; fp32 / channels_last / bf16 on CPU
-2. exchange  sync SGD gradient exchange: bucketed all_reduce (ours) vs DDP vs one blocking
-             all_reduce per parameter, 2 and 4 ranks (gloo; nccl with >= 2 GPUs)
+2. exchange  sync SGD gradient exchange: ours (one flat all_reduce after backward) vs a bucketed
+             all_reduce overlapped with backward vs DDP vs one blocking all_reduce per
+             parameter, 2 and 4 ranks (gloo; nccl with >= 2 GPUs)
 3. ps        async SGD parameter server: updates/s and busy fraction, 1..8 workers; a slow
-             worker's cost to the run's length, with and without --share-work
+             worker's cost to the run's length
 4. gpu       CUDA only: resnet_cifar100.py epoch time, fraction of bf16 peak, options
 5. convergence  on the yardstick (data that is hard to learn): test accuracy per epoch of one
              process, sync SGD on 2, 4 and 8 ranks, async SGD with 1, 2, 4 and 8 workers

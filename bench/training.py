@@ -1,9 +1,9 @@
 """Benchmark 1: the training step, and the data path alone.
 
 * `loop`      -- our full training loop: `resnet_cifar100.train_one_epoch` over a
-                 `DeviceLoader` (batched on-device random crop + flip + normalise), through
-                 the `training.Meter` it iterates (the epoch's bookkeeping), with the model,
-                 the loss, backward, the optimizer step and the LR schedule's step, built as
+                 `DeviceLoader` (batched on-device random crop + flip + normalise), with the
+                 `training.EpochMetrics` it keeps (the epoch's bookkeeping), the model, the
+                 loss, backward, the optimizer step and the LR schedule's step, built as
                  resnet_cifar100.main builds them;
 * `in place`  -- the same forward, backward, optimizer step and LR schedule step on one batch
                  already on the device;
@@ -13,7 +13,7 @@
                  same step.
 
 All three train the same HW4ResNet with batch 128 on the same device, in the scripts' default
-precision there (`common.process.default_amp`: bf16 autocast + channels_last on CUDA and on CPUs
+precision there (`common.run.default_amp`: bf16 autocast + channels_last on CUDA and on CPUs
 with native bf16, else fp32), and are timed side by side: every repetition runs each of them
 for the same number of steps, in an order rotated from one repetition to the next, and the
 tables give medians over repetitions.  Every repetition of `loop` and `reference` is a fresh
@@ -46,8 +46,8 @@ PRECISIONS = (("in place, fp32", False, False), ("in place, fp32 + channels_last
 
 
 class Take:
-    """The first `n` batches of a loader, with the len(), set_epoch() and batches() that
-    training.Meter uses."""
+    """The first `n` batches of a loader, with the len() and epoch_batches() that
+    train_one_epoch uses."""
 
     def __init__(self, loader, n):
         self.loader, self.n = loader, n
@@ -55,11 +55,8 @@ class Take:
     def __len__(self):
         return self.n
 
-    def set_epoch(self, epoch):
-        self.loader.set_epoch(epoch)
-
-    def batches(self, start=0):
-        return itertools.islice(self.loader.batches(start), self.n - start)
+    def epoch_batches(self, epoch, start=0):
+        return itertools.islice(self.loader.epoch_batches(epoch, start), self.n - start)
 
 
 def make_data(n_train, folder):
@@ -81,7 +78,7 @@ def reference_dataset(folder):
     """
     import torchvision
     import torchvision.transforms as T
-    from common.data import CIFAR100_MEAN, CIFAR100_STD
+    from common.data import SPECS
 
     class CIFAR100Unchecked(torchvision.datasets.CIFAR100):
         meta = dict(torchvision.datasets.CIFAR100.meta, md5=None)  # _load_meta checks it too
@@ -90,7 +87,7 @@ def reference_dataset(folder):
             return True
 
     transform = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
-                           T.Normalize(CIFAR100_MEAN, CIFAR100_STD)])
+                           T.Normalize(SPECS["cifar100"].mean, SPECS["cifar100"].std)])
     return CIFAR100Unchecked(folder, train=True, download=False, transform=transform)
 
 
@@ -114,16 +111,16 @@ STEPS_PER_EPOCH = 100_000
 
 class Setup:
     """A model with its criterion, optimizer and LR schedule, built as resnet_cifar100.main
-    builds them, and the Process it trains under.  `foreach`: torch's foreach SGD kernel
-    instead of the scripts' fused one."""
+    builds them, and the Run it trains under.  `foreach`: torch's foreach SGD kernel instead
+    of the scripts' fused one."""
 
     def __init__(self, base_model, device, amp, channels_last=None, out=None, foreach=False):
-        from common.process import Process
+        from common.run import Run
         from common.training import param_groups, warmup_cosine
         device = torch.device(device)
         channels_last = amp if channels_last is None else channels_last
-        # rank 1: the Meter draws no progress bar (is_main is False); nothing else reads it
-        self.proc = Process("bench", out or tempfile.gettempdir(), device, amp, rank=1)
+        # rank 1: the loop draws no progress bar (is_main is False); nothing else reads it
+        self.run = Run("bench", out or tempfile.gettempdir(), device, amp, rank=1)
         model = copy.deepcopy(base_model).to(device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
@@ -142,8 +139,8 @@ class Setup:
         return x
 
     def train_step(self, x, y):
-        """One step of resnet_cifar100.train_one_epoch, without the Meter."""
-        with self.proc.autocast():
+        """One step of resnet_cifar100.train_one_epoch, without its metrics."""
+        with self.run.autocast():
             out = self.model(x)
             loss = self.criterion(out, y)
         self.optimizer.zero_grad(set_to_none=True)
@@ -176,17 +173,13 @@ def timed(fn, device):
 
 def loop_variant(setup, loader, steps):
     """Our full loop: resnet_cifar100.train_one_epoch over `steps` batches of a fresh epoch
-    (the Meter sets the epoch: a new permutation)."""
+    (a new permutation each time)."""
     from resnet_cifar100 import train_one_epoch
-    from common.checkpoint import State
-    from common.training import Meter
     epoch = itertools.count()
 
     def run(n=steps):
-        meter = Meter(Take(loader, n), next(epoch), setup.args, setup.proc, State(),
-                      setup.scheduler)
-        train_one_epoch(setup.model, meter, setup.criterion, setup.optimizer, setup.scheduler,
-                        setup.proc)
+        train_one_epoch(setup.model, setup.criterion, setup.optimizer, setup.scheduler,
+                        Take(loader, n), next(epoch), setup.run)
     return run
 
 
@@ -200,7 +193,7 @@ def in_place_variant(setup, x, y, steps):
 
 
 def reference_variant(setup, dataset, workers, steps):
-    device = setup.proc.device
+    device = setup.run.device
 
     def run(n=steps):
         loader = reference_loader(dataset, workers, device)
@@ -376,7 +369,7 @@ def bench_data_path(device, quick, workers, data_dir, train_set=None):
 def run(quick, devices=None, workers=2):
     """Benchmark 1 on CPU and, where present, CUDA."""
     devices = devices or (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-    if "cuda" in devices:  # what process.start sets for the scripts
+    if "cuda" in devices:  # what common.run.start_run sets for the scripts
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

@@ -18,7 +18,7 @@ for _p in (REPO_ROOT, BENCH_DIR):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from common.process import precision_name  # noqa: E402,F401  (re-exported: the scripts' own label)
+from common.run import precision_name  # noqa: E402,F401  (re-exported: the scripts' own label)
 
 
 _deadline = None
@@ -204,8 +204,8 @@ TABLES = []  # every table printed, in order: run.py stores them in the JSON
 def default_amp(device):
     """The scripts' default precision on `device` ("cpu", "cuda" or a torch.device)."""
     import torch
-    from common.process import default_amp as project_default
-    return project_default(torch.device(device))
+    from common.run import default_amp as scripts_default
+    return scripts_default(torch.device(device))
 
 
 def table(title, header, rows):

@@ -79,13 +79,13 @@ def load(path, *, script, arch):
     return state
 
 
-def save(path, *, script, arch, model, optimizer, scheduler, epoch, rows, args, extra):
+def save(path, *, script, arch, model, optimizer, scheduler, epoch, rows, args, extra=None):
     """Everything needed to continue after `epoch` completed epochs."""
     state = {"format": FORMAT, "script": script, "arch": arch, "epoch": epoch,
              "model": unwrap(model).state_dict(),
              "optimizer": optimizer.state_dict() if optimizer is not None else None,
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
-             "rows": rows, "args": args, "extra": extra}
+             "rows": rows, "args": args, "extra": extra or {}}
     check_plain(state)
     atomic_write(path, lambda tmp: torch.save(state, tmp))
 

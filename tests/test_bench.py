@@ -1,188 +1,33 @@
-"""The analysis tools behind BENCHMARKS.md's async figures still run, and say what it quotes.
+"""bench/: the convergence benchmark's tables and files, every benchmark run alone and its
+--help, and bench/async_rules.py (the async rules that were compared, as options of the main's
+server: without one, the main's rule; with each, the rule it was).
 
 The timed benchmarks are not run here (their figures are ratios taken side by side on a quiet
-machine); these are the deterministic tools: the stability and noise-floor analysis, the
-staleness simulator with every reply it offers, and the drift probe, on tiny sizes.
+machine).
 """
 import json
+import math
 import os
-import re
 import subprocess
 import sys
+from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
+import torch
+from torch import nn
 
-from helpers import ROOT, child_env, markdown_rows, ok
+import async_sgd_cifar100
+from common.checkpoint import State
+from common.messages import CONTINUE, DONE, GRADIENT, HEADER
+from common.run import execute
+from helpers import MPIRUN, ROOT, child_env, markdown_rows, ok, one_error_line
 
-pytestmark = pytest.mark.slow  # trains for minutes: scheduled first (conftest.py)
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # bench/ is no package; its names stay out
+import async_rules  # noqa: E402
+sys.path.remove(os.path.join(ROOT, "bench"))
 
 TIMEOUT = 300
-# The simulator on tiny sizes: 2 workers, 64 images, batch 8 each, one epoch (4 rounds)
-TINY = ["--workers", "2", "--train", "64", "--test", "32", "--epochs", "1", "--batch-size",
-        "16", "--global-batch", "--lr", "0.05"]
-
-
-def run_bench(script, *argv):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *argv],
-                          capture_output=True, text=True, cwd=ROOT, timeout=TIMEOUT,
-                          env=child_env(BENCH_THREADS="1"))
-
-
-@pytest.fixture(scope="module")
-def staleness_main():
-    """bench/staleness.py's main(argv), run in this process on one thread: a process per run
-    spent more time importing torch than simulating.  (One run goes through the command line,
-    in test_staleness_simulator_runs_every_reply.)"""
-    import torch
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import staleness
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # main() keeps it (BENCH_THREADS unset)
-    yield staleness.main
-    torch.set_num_threads(threads)
-    sys.path.remove(os.path.join(ROOT, "bench"))
-
-
-@pytest.fixture(scope="module")
-def simulate(tmp_path_factory, staleness_main):
-    """simulate(*argv): one run of the simulator on TINY sizes, its JSON record; each
-    configuration runs once per module, since the tests below share some."""
-    records = {}
-
-    def run(*argv):
-        if argv not in records:
-            out = tmp_path_factory.mktemp("simulate") / "results.jsonl"
-            staleness_main([*TINY, *argv, "--json", str(out)])
-            records[argv] = json.loads(out.read_text())
-        return records[argv]
-    return run
-
-
-def test_stability_and_noise_floor_say_what_benchmarks_md_quotes():
-    lines = ok(run_bench("stability.py"))
-    text = "\n".join(lines)
-    assert "delay 0: 1.360" in text  # Nesterov momentum 0.9's edge without delay
-    floor = {}  # (workers, rule) -> variance ratios at h = 0.02, 0.05, 0.1, 0.2, 0.4
-    for line in lines:
-        m = re.match(r"\s+(\d) workers, (.+?)\s{2,}([\d. inf]+)$", line)
-        if m:
-            floor[int(m.group(1)), m.group(2).split(" (")[0].strip()] = \
-                [float(x) for x in m.group(3).split()]
-    # the figures BENCHMARKS.md quotes ("The noise floor"), 4 workers
-    assert floor[4, "extrapolated N - 1"] == [1.00, 1.02, 1.10, 1.36, 2.27], floor
-    assert floor[4, "nothing stale"] == [0.94, 0.88, 0.83, 0.78, 0.76], floor
-    for n in (2, 4, 8):
-        as_is, default, fresh = (floor[n, "reply as is"], floor[n, "extrapolated N - 1"],
-                                 floor[n, "nothing stale"])
-        for h in range(3):  # along the bulk (h <= 0.1) the order the simulator found
-            assert fresh[h] < default[h] < as_is[h], (n, h, fresh, default, as_is)
-    best = [line for line in lines if "the best split and extrapolation" in line]
-    assert len(best) == 1, text
-    ratios = [float(x) for x in best[0].split(":")[-1].split()]
-    default = floor[4, "extrapolated N - 1"]
-    for h in range(3):  # "within 4 % of the default" (BENCHMARKS.md, "The noise floor")
-        assert ratios[h] >= 0.96 * default[h], (ratios, default)
-
-
-def test_staleness_simulator_runs_every_reply(tmp_path, staleness_main):
-    out = tmp_path / "results.jsonl"
-    runs = [["--rule", "nesterov", "nesterovdc", "sync", "plain", "dana", "danaga",
-             "--extra-ahead", "0.5", "--ahead-per-worker"],
-            ["--rule", "nesterov", "--extra-ahead", "0.5", "--ahead-smooth", "0.9"],
-            ["--rule", "nesterov", "--fresh", "--shuffle-order", "--log-every", "3"],
-            ["--rule", "dana", "--spike", "--ahead-gradients"]]
-    ok(run_bench("staleness.py", *TINY, *runs[0], "--json", str(out)))  # the command line
-    for argv in runs[1:]:
-        staleness_main([*TINY, *argv, "--json", str(out)])
-    results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["rule"] for r in results] == ["nesterov", "nesterovdc", "sync", "plain", "dana",
-                                            "danaga", "nesterov", "nesterov", "dana"]
-    for r in results:
-        assert len(r["test_acc"]) == 1 and 0.0 <= r["test_acc"][0] <= 100.0, r
-        assert 0.0 < r["train_loss"][0] < 20.0, r  # finite, a loss
-    assert results[0]["ahead_per_worker"] and results[6]["ahead_smooth"] == 0.9
-    # --log-every 3 over 4 rounds: a window of 3 and the last 1
-    windows = results[7]["train_loss_every"]
-    assert len(windows) == 2 and all(0.0 < w < 20.0 for w in windows), windows
-    assert "train_loss_every" not in results[0]
-
-
-def test_simulator_lookahead_extrapolates_as_far_as_ahead_says(simulate):
-    """--ahead 0 replies the parameters as they are: the slides' rule (`plain`), step for step;
-    the default (workers - 1 updates) replies elsewhere and trains differently."""
-    plain, ahead_0, ahead_1 = [simulate(*argv) for argv in (
-        ("--rule", "plain"), ("--rule", "lookahead", "--ahead", "0"), ("--rule", "lookahead"))]
-    assert ahead_0["ahead"] == 0 and ahead_1["ahead"] is None
-    assert ahead_0["train_loss"] == plain["train_loss"], (ahead_0, plain)
-    assert ahead_1["train_loss"] != plain["train_loss"], (ahead_1, plain)
-
-
-def test_simulator_fresh_head_and_fresh_only(simulate):
-    """--fresh-head recomputes the head's gradient at the server's parameters: with 1 worker
-    (nothing stale, fp32) that is the worker's own gradient, step for step; with 2 workers it
-    trains differently.  --fresh-only with every module's prefix is --fresh; with fc. alone
-    it is neither the stale run nor --fresh."""
-    one = ("--rule", "nesterov", "--workers", "1", "--no-amp")
-    two = ("--rule", "nesterov", "--extra-ahead", "0.5")
-    every = ("conv1.", "bn1.", "conv2_x.", "conv3_x.", "conv4_x.", "conv5_x.", "fc.")
-    runs = [simulate(*argv)["train_loss"] for argv in (
-        one, (*one, "--fresh-head"), two, (*two, "--fresh-head"), (*two, "--fresh"),
-        (*two, "--fresh-only", *every), (*two, "--fresh-only", "fc."))]
-    one_stale, one_head, two_stale, two_head, fresh, all_fresh, fc_fresh = runs
-    assert one_head == one_stale
-    assert two_head != two_stale
-    assert all_fresh == fresh
-    assert fc_fresh not in (two_stale, fresh)
-
-
-def test_drift_probe_prints_its_measurements():
-    """Today's rule (the reply extrapolated, the head fresh): each probe prints the gap and,
-    for each of the six estimates (three diagonals, the other batches' change, the empirical
-    Fisher of the latest gradients about zero and about their mean), its best scale and the
-    share of the gap it explains."""
-    lines = ok(run_bench("drift.py", "--train", "128", "--epochs", "2", "--every", "2",
-                         "--extra-ahead", "0.5", "--fresh-head", "--others", "2",
-                         "--fisher", "3"))
-    assert "2 other batches' change" in lines[0] and "Fisher of 3" in lines[0]
-    probes = [line.split() for line in lines[1:] if line.strip()]
-    assert probes, lines
-    for cells in probes:
-        assert len(cells) == 4 + 2 * 6, cells
-        assert cells[1] == "2"  # probed after the first epoch only
-        ratio = float(cells[3])  # |d| / |g|: the stale gradient differs, but not wildly
-        assert 0.0 < ratio < 10.0, cells
-        shares = [float(c.rstrip("%")) for c in cells[5::2]]
-        assert all(0.0 <= share <= 100.0 for share in shares), cells
-
-
-def test_simulator_pull(simulate):
-    """--pull P moves each update P / N of the way back to where its gradient was computed:
-    0 is the rule without it, step for step; with 1 worker there is no gap (its gradient is
-    computed at the current parameters), so nothing changes; with 2 workers it trains
-    differently."""
-    one = ("--rule", "nesterov", "--workers", "1", "--no-amp")
-    two = ("--rule", "nesterov", "--extra-ahead", "0.5", "--fresh-head")
-    runs = [simulate(*argv)["train_loss"] for argv in (
-        one, (*one, "--pull", "0.5"), two, (*two, "--pull", "0"), (*two, "--pull", "0.5"))]
-    one_plain, one_pulled, two_plain, two_zero, two_pulled = runs
-    assert one_pulled == one_plain
-    assert two_zero == two_plain
-    assert two_pulled != two_plain
-
-
-def test_simulator_computes_in_the_scripts_precision(monkeypatch):
-    """The simulator and the drift probe take the scripts' default precision: bf16 only on a
-    CPU with native bf16.  Forced on elsewhere, emulated bf16 made them ~10x slower than fp32
-    (an epoch of the simulator: 33 minutes instead of ~2), and measured another precision than
-    the real runs they stand for."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
-    import staleness
-    from common import process
-    for native in (False, True):
-        monkeypatch.setattr(process, "cpu_has_native_bf16", lambda: native)
-        assert staleness.parse_args([]).amp is native
-        assert staleness.parse_args(["--amp"]).amp is True
-        assert staleness.parse_args(["--no-amp"]).amp is False
 
 
 def test_convergence_merge_pools_seeds_of_one_precision_only(monkeypatch, tmp_path):
@@ -265,10 +110,10 @@ def test_convergence_records_the_precision_the_flags_choose(monkeypatch):
     once recorded the CPU's default, bf16, for fp32 runs)."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import convergence
-    from common import process
-    for native in (False, True):
-        monkeypatch.setattr(process, "cpu_has_native_bf16", lambda: native)
-        assert convergence.machine([])["precision"] == process.precision_name(native)
+    from common import run
+    for native in (False, True):  # a CPU with native bf16, and one without
+        monkeypatch.setattr(run, "default_amp", lambda device: native)
+        assert convergence.machine([])["precision"] == run.precision_name(native)
         assert convergence.machine(["--no-amp"])["precision"] == "fp32"
         assert convergence.machine(["--lr", "0.1", "--amp"])["precision"] != "fp32"
 
@@ -367,7 +212,7 @@ def test_convergence_table_counts_the_seeds_that_ran(monkeypatch, capsys):
 def test_each_benchmark_runs_alone_and_answers_help_without_running(tmp_path):
     """`python bench/exchange.py` is benchmark 2 alone, as `bench/run.py --only exchange` runs
     it (it used to import, do nothing and exit 0), and every tool's --help prints its usage
-    instead of running (bench/stability.py used to run its whole analysis)."""
+    instead of running (a tool once ran its whole analysis)."""
     bench = os.path.join(ROOT, "bench")
     names = {"exchange.py": "exchange", "gpu.py": "gpu", "param_server.py": "ps",
              "training.py": "step"}
@@ -385,10 +230,316 @@ def test_each_benchmark_runs_alone_and_answers_help_without_running(tmp_path):
     for script, proc in helps.items():
         out, err = proc.communicate(timeout=TIMEOUT)
         assert proc.returncode == 0 and out.startswith(f"usage: {script}"), (script, out, err)
-        assert "delay 0:" not in out and "=== " not in out, (script, out)
+        assert "=== " not in out, (script, out)
         if script in names:
             assert "--only" not in out and "--quick" in out, (script, out)
     out, err = alone.communicate(timeout=TIMEOUT)
     assert alone.returncode == 0, (out, err)
     assert list(json.loads(record.read_text())["benchmarks"]) == ["gpu"]
     assert "skipped" in json.loads(record.read_text())["benchmarks"]["gpu"]
+
+
+def test_convergence_runs_the_async_runs_with_a_rules_option_through_async_rules(monkeypatch):
+    """--async-flags with an option of the rule (which the main refuses) starts the async runs
+    as bench/async_rules.py; any other flags leave them, and every other run, to the mains."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import convergence
+
+    def script(kind, async_flags):
+        cmd = convergence.command(kind, 3, "/d", "/o", dict(convergence.FULL,
+                                                            async_flags=async_flags), 0)
+        return next(arg for arg in cmd if arg.endswith(".py")), cmd
+
+    for flags in (["--pull", "0.4"], ["--pull=0.4"], ["--in-turn", "--ahead", "0"],
+                  ["--no-fresh-head"], ["--momentum", "0.95", "--dc-lambda", "2"]):
+        path, cmd = script("async", flags)
+        assert path == os.path.join(ROOT, "bench", "async_rules.py"), flags
+        assert cmd[-len(flags):] == flags
+    for flags in ([], ["--momentum", "0.95"]):
+        assert script("async", flags)[0] == os.path.join(ROOT, "async_sgd_cifar100.py")
+    assert script("sync", ["--pull", "0.4"])[0] == os.path.join(ROOT, "sync_sgd_cifar100.py")
+
+
+# ------------------------------------------------------- bench/async_rules.py: the rule's options
+
+class _Done:
+    def wait(self):
+        pass
+
+
+def _model():
+    """The smallest model the server takes: a head (fc) and BatchNorm statistics."""
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(bn=nn.BatchNorm1d(4), fc=nn.Linear(4, 3)))
+
+
+def _decay(args):
+    """Weight decay on fc.weight alone: not on BatchNorm's weight and bias, nor fc.bias."""
+    return torch.tensor([0.0] * 8 + [args.weight_decay] * 12 + [0.0] * 3)
+
+
+def _variant(dc_lambda, *flags, workers=2, run=None):
+    """A VariantServer; --pull 0 and --no-fresh-head: each test pins its own part of the rule
+    (a test's own --pull comes later)."""
+    args = async_rules.parse_args(["--lr", "0.2", "--epochs", "2", "--warmup-epochs", "0",
+                                   "--pull", "0", "--dc-lambda", str(dc_lambda), *flags,
+                                   "--no-fresh-head"])
+    return (async_rules.VariantServer(_model(), workers, args, run, None, State(), 10,
+                                      [0] * workers, None), args)
+
+
+def _message(server, gradient, features=None, labels=None, buffers=None):
+    """A worker's message: 4 samples (zero features unless given), `gradient`, statistics."""
+    m = server.messages
+    labels = torch.zeros(4, dtype=torch.int64) if labels is None else labels
+    n = labels.numel()
+    features = torch.zeros(n, m.n_features) if features is None else features
+    message = torch.zeros(m.size)
+    message[:HEADER] = torch.tensor([GRADIENT, float(n), 1.0, 5.0])
+    body = message[HEADER:]
+    body[:m.n_params] = gradient
+    if buffers is not None:
+        body[m.n_params:m.n_params + m.n_buffers] = buffers
+    head = body[m.n_params + m.n_buffers:]
+    head[:n * m.n_features] = features.reshape(-1)
+    head[m.batch * m.n_features:][:n] = labels.float()
+    return message
+
+
+def test_async_rules_without_an_option_is_the_mains_rule_reply_for_reply(monkeypatch):
+    """bench/async_rules.py restates the main's `Server.update` with its options: with none,
+    it must reply with, and end on, exactly the parameters the main's server does, over a
+    sequence of 3 workers' gradients arriving 0 to 3 updates stale (so that some are pulled),
+    the head fresh, BatchNorm statistics beside them, the learning rate warming up."""
+    sent = []
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
+                        lambda tensor, dst: sent.append((dst, tensor.clone())) or _Done())
+    flags = ["--lr", "0.2", "--epochs", "2", "--batch-size", "12"]
+    main = async_sgd_cifar100.Server(_model(), 3, async_sgd_cifar100.parse_args(flags), None,
+                                     None, State(), 10, [0, 0, 0], None)
+    variant = async_rules.VariantServer(_model(), 3, async_rules.parse_args(flags), None, None,
+                                        State(), 10, [0, 0, 0], None)
+    assert torch.equal(main.theta, variant.theta)
+    torch.manual_seed(1)
+    for worker in (1, 2, 3, 1, 3, 2, 2, 1, 1, 3, 2, 3):
+        n = int(torch.randint(1, 5, ()))  # up to its batch, 12 / 3
+        message = _message(main, torch.randn(23), torch.randn(n, 4), torch.randint(0, 3, (n,)),
+                           torch.rand(8))
+        for server in (main, variant):
+            server.apply(worker, message.clone())
+            server.reply(worker, CONTINUE, {1, 2, 3})
+        (to_main, from_main), (to_variant, from_variant) = sent[-2:]
+        assert to_main == to_variant == worker
+        assert torch.equal(from_main, from_variant), worker
+        assert torch.equal(main.theta, variant.theta), worker
+    assert main.epoch.staleness == variant.epoch.staleness == [0, 1, 2, 2, 1, 3, 0, 3, 0, 4, 3,
+                                                                1]
+    assert main.epoch.pulled == variant.epoch.pulled == 6
+    for server in (main, variant):  # what evaluation and the checkpoint see
+        server.average_statistics()
+    assert all(torch.equal(a, b) for a, b in zip(main.model.state_dict().values(),
+                                                  variant.model.state_dict().values()))
+
+
+def test_async_rules_compensates_a_stale_gradient_for_the_updates_it_missed(monkeypatch):
+    """--dc-lambda L.  Two workers start from theta_0.  Worker 1's first gradient is not stale
+    and is applied as it is; worker 2's (computed at theta_0) is one update stale, and so is
+    worker 1's second (computed at theta_1, the reply to its first).  The server moves each to
+    the current parameters by delay compensation, g + L g^2 (theta - theta_sent) /
+    sqrt(mean g^2), then takes the Nesterov step with that worker's own buffer."""
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend", lambda tensor, dst: _Done())
+    server, args = _variant(2.0, "--ahead", "0")  # replies: the parameters as they are
+    theta0 = server.theta.clone()
+    g1, g2, g3 = (torch.randn_like(theta0) for _ in range(3))
+    decay = _decay(args)
+    lr = server.lr(server.version)
+    server.apply(1, _message(server, g1.clone()))
+    server.reply(1, CONTINUE, {1, 2})
+    v1 = g1 + decay * theta0
+    theta1 = theta0 - lr * (v1 + 0.9 * v1)
+    assert torch.allclose(server.theta, theta1, atol=1e-7)
+    lr = server.lr(server.version)
+    server.apply(2, _message(server, g2.clone()))
+    server.reply(2, CONTINUE, {1, 2})
+    mean_square = 0.95 * 0.05 * g1 * g1 + 0.05 * g2 * g2
+    v2 = g2 + 2.0 * g2 * g2 * (theta1 - theta0) / (mean_square.sqrt() + 1e-7) + decay * theta1
+    theta2 = theta1 - lr * (v2 + 0.9 * v2)
+    assert torch.allclose(server.theta, theta2, atol=1e-6), (server.theta - theta2).abs().max()
+    lr = server.lr(server.version)
+    server.apply(1, _message(server, g3.clone()))
+    mean_square = 0.95 * mean_square + 0.05 * g3 * g3
+    d = g3 + 2.0 * g3 * g3 * (theta2 - theta1) / (mean_square.sqrt() + 1e-7) + decay * theta2
+    v1 = 0.9 * v1 + d
+    theta3 = theta2 - lr * (d + 0.9 * v1)
+    assert torch.allclose(server.theta, theta3, atol=1e-6), (server.theta - theta3).abs().max()
+    plain, _ = _variant(0, "--ahead", "0")  # --dc-lambda 0: the stale gradient as it came
+    plain.apply(1, _message(plain, g1.clone()))
+    plain.apply(2, _message(plain, g2.clone()))
+    assert (plain.theta - theta2).abs().max() > 1e-3
+
+
+def test_async_rules_replies_with_the_parameters_extrapolated_over_the_updates_in_flight(
+        monkeypatch):
+    """--ahead K.  With N workers a gradient arrives about N - 1 updates after its parameters
+    left, and meanwhile the parameters move mostly along the momentum (lr / N * v_j per update,
+    v_j worker j's buffer).  So the reply is theta - K * lr / N * mean_j v_j, K = N - 1 by
+    default (0: theta as it is); the server's own theta is not moved by it."""
+    sent = []
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
+                        lambda tensor, dst: sent.append((dst, tensor.clone())) or _Done())
+    for workers, flags, ahead in ((2, (), 1.0), (4, (), 3.0), (4, ("--ahead", "5"), 5.0),
+                                  (4, ("--ahead", "0"), 0.0)):
+        server, args = _variant(0, *flags, workers=workers)
+        reference, _ = _variant(0, "--ahead", "0", workers=workers)
+        decay = _decay(args)
+        v = torch.zeros(workers, 23)
+        for step, worker in enumerate([1, 2, 1, workers]):
+            g = torch.randn(23)
+            theta = server.theta.clone()
+            lr = server.lr(server.version)
+            server.apply(worker, _message(server, g.clone()))
+            reference.apply(worker, _message(reference, g.clone()))
+            d = g + decay * theta
+            v[worker - 1] = 0.9 * v[worker - 1] + d
+            assert torch.allclose(server.theta, theta - lr * (d + 0.9 * v[worker - 1]),
+                                  atol=1e-6)
+            assert torch.equal(server.theta, reference.theta)  # the rule itself is unchanged
+            server.reply(worker, CONTINUE, set(range(1, workers + 1)))
+            expected = server.theta - ahead * server.lr(server.version) / workers * v.sum(0)
+            assert sent[-1][0] == worker
+            assert torch.allclose(sent[-1][1][1:], expected, atol=1e-6), (workers, step)
+            if step:
+                assert ahead == 0 or (sent[-1][1][1:] - server.theta).abs().max() > 1e-4
+
+
+def test_async_rules_pull_centered_measures_the_gap_beyond_the_expected_drift(monkeypatch):
+    """--pull-centered: the pull's gap is measured from where the reply's forecast puts the
+    parameters by the time the gradient comes back -- the reply plus K - s updates along the
+    mean buffer for a gradient s updates stale (--ahead K) -- so that, when the updates in
+    flight move the parameters as forecast, the pull moves nothing.  Three workers, --ahead 4,
+    the order 1, 2, 3, 1, 3, 2, 2 (staleness 0, 1, 2, 2, 1, 3, 0): K - s is never 0."""
+    sent = {}
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
+                        lambda tensor, dst: sent.update({dst: tensor[1:].clone()}) or _Done())
+    server, args = _variant(0, "--pull", "0.6", "--pull-from", "0", "--ahead", "4",
+                            "--pull-centered", workers=3)
+    decay = _decay(args)
+    held = {w: server.theta.clone() for w in (1, 2, 3)}
+    v = torch.zeros(3, 23)
+    torch.manual_seed(1)
+    for worker, staleness in zip((1, 2, 3, 1, 3, 2, 2), (0, 1, 2, 2, 1, 3, 0)):
+        g, theta, lr = torch.randn(23), server.theta.clone(), server.lr(server.version)
+        forecast = held[worker] + (4 - staleness) * lr * v.mean(0)  # before this update
+        server.apply(worker, _message(server, g.clone()))
+        assert server.epoch.staleness[-1] == staleness
+        d = g + decay * theta
+        v[worker - 1] = 0.9 * v[worker - 1] + d
+        expected = theta - lr * (d + 0.9 * v[worker - 1]) - 0.2 * (theta - forecast)
+        assert torch.allclose(server.theta, expected, atol=1e-6), \
+            (worker, staleness, (server.theta - expected).abs().max())
+        # the centring is seen: the gap from the reply alone differs from it
+        assert staleness == 0 and worker != 2 or (forecast - held[worker]).abs().max() > 1e-3
+        server.reply(worker, CONTINUE, {1, 2, 3})
+        held[worker] = sent[worker]
+
+    # When the drift is as forecast, the centred pull moves next to nothing, the pull from the
+    # reply a lot: one gradient for every update, the turns in order (each gradient N - 1 = 2
+    # updates stale, the reply K = 4 ahead); the buffers build up over the first rounds
+    def run(*flags):
+        server = _variant(0, "--ahead", "4", "--weight-decay", "0", "--epochs", "30", *flags,
+                          workers=3)[0]
+        g = torch.randn(23)
+        for worker in (1, 2, 3) * 60:
+            server.apply(worker, _message(server, g.clone()))
+            server.reply(worker, CONTINUE, {1, 2, 3})
+        return server.theta
+    plain = run("--pull", "0")
+    centred = run("--pull", "0.6", "--pull-from", "0", "--pull-centered")
+    from_reply = run("--pull", "0.6", "--pull-from", "0")
+    assert (centred - plain).abs().max() < 0.1 * (from_reply - plain).abs().max()
+
+
+def test_async_rules_in_turn_replies_from_theta_as_it_is_when_no_worker_computes(monkeypatch):
+    """--in-turn --ahead 0, the loop driven message by message: each reply is held until no
+    other worker computes, then sent with the parameters as they are at that moment (not as
+    they were after that worker's own update); only the first round's second gradient is
+    stale; a worker done releases the next in line."""
+    events, replies = [], []
+
+    def isend(tensor, dst):
+        events.append(f"reply {dst}")
+        replies.append((tensor[1:].clone(), server.theta.clone()))
+        return _Done()
+
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend", isend)
+    monkeypatch.setattr(async_sgd_cifar100.dist, "send", lambda tensor, dst: None)  # release
+
+    class Inbox:  # each worker sends 2 gradients, each after its reply, then DONE
+        def __init__(self, workers, *rest):
+            self.ready, self.left = list(workers), {w: 2 for w in workers}
+
+        def next(self):
+            worker = self.ready.pop(0)
+            self.left[worker] -= 1
+            events.append(f"{'done' if self.left[worker] < 0 else 'gradient'} {worker}")
+            if self.left[worker] < 0:
+                return worker, torch.tensor([DONE, 2.0, 0.0, 0.0]), None
+            return worker, _message(server, torch.randn(23)), None
+
+        def expect(self, worker):
+            self.ready.append(worker)
+
+    monkeypatch.setattr(async_rules, "Inbox", Inbox)
+    monkeypatch.setattr(async_rules, "Heartbeat", lambda timeout: SimpleNamespace(
+        stop=lambda: None))
+    run = SimpleNamespace(log=lambda *parts: None, stop=SimpleNamespace(signum=None))
+    server, _ = _variant(0, "--in-turn", "--ahead", "0", run=run)
+    server.end_epoch = lambda: None  # no test set here
+    server.serve()
+    assert events == ["gradient 1", "gradient 2", "reply 1", "gradient 1", "reply 2",
+                      "gradient 2", "reply 1", "done 1", "reply 2", "done 2"]
+    assert all(torch.equal(sent, theta) for sent, theta in replies)
+    assert server.epoch.staleness == [0, 1, 0, 0]
+
+
+def test_async_rules_in_turn_computes_every_gradient_on_the_current_parameters(tmp_path):
+    """--in-turn --ahead 0, the no-staleness control, in a real run of 2 workers: only the first
+    round's gradients are stale (the second to arrive by 1 update), each batch is applied once,
+    the run ends, and config.json records the options."""
+    out = tmp_path / "in_turn"
+    proc = subprocess.run(
+        [MPIRUN, "-np", "3", sys.executable, os.path.join("bench", "async_rules.py"),
+         "--in-turn", "--ahead", "0", "--dummy", "--train-limit", "64", "--test-limit", "32",
+         "--batch-size", "16", "--epochs", "1", "--device", "cpu", "--out", str(out)],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    log = "\n".join(ok(proc))
+    # 64 samples over 2 workers, batch 8 each: 4 updates per worker, 8 in the epoch
+    assert "worker 1: 4 gradients sent, 4 applied" in log
+    assert "worker 2: 4 gradients sent, 4 applied" in log
+    with open(out / "metrics.csv") as f:
+        header, row = [line.split(",") for line in f.read().splitlines()]
+    row = dict(zip(header, row))
+    assert int(row["updates"]) == 8
+    assert math.isclose(float(row["mean_staleness"]), 1 / 8, abs_tol=1e-5)
+    assert int(row["max_staleness"]) == 1
+    options = json.loads((out / "config.json").read_text())["args"]
+    assert options["in_turn"] is True and options["ahead"] == 0.0 and options["pull"] == 0.2
+
+
+def test_async_rules_refuses_a_bad_option_in_one_line(capsys):
+    """Negative or non-finite values, and a pull beyond 1 (it would overshoot the gap over a
+    round of N updates): one line and exit 2, before anything starts."""
+    one_error_line(subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "async_rules.py"), "--pull", "1.5"],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT),
+        "--pull 1.5", "more than 1")
+    for argv, needle in ((["--dc-lambda", "-1"], "--dc-lambda -1 is negative"),
+                         (["--ahead", "nan"], "--ahead nan is not a number"),
+                         (["--ahead", "inf"], "--ahead inf is not a number"),
+                         (["--pull-from", "-2"], "--pull-from -2 is negative"),
+                         (["--pull", "-0.1"], "--pull -0.1 is negative"),
+                         (["--pull-from", "x"], "argument --pull-from: invalid int value")):
+        with pytest.raises(SystemExit) as stopped:
+            execute(lambda: async_rules.main(["--dummy", *argv]))
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert stopped.value.code == 2 and len(lines) == 1 and needle in lines[0], (argv, lines)

@@ -29,11 +29,13 @@ import resnet_tinyimagenet
 import sync_sgd_cifar100
 from common import data, loader, training
 from common.checkpoint import State
+from common.collectives import Comm
 from common.distributed import import_before_init
-from common.launch import free_port
 from common.loader import DeviceLoader
+from common.messages import DONE, GRADIENT, Messages
 from common.model import HW4ResNet
-from common.process import Process
+from common.network import free_port
+from common.run import Run
 from datagen import make_cifar100, write_cifar100_pickles
 from helpers import ROOT, child_env
 
@@ -45,7 +47,7 @@ RAW = dict(mean=(0.0, 0.0, 0.0), std=(1 / 255, 1 / 255, 1 / 255))  # pixels pass
 
 
 def cpu_process(tmp_path, script="test", rank=0, world_size=1):
-    return Process(script, str(tmp_path), torch.device("cpu"), False, rank, world_size)
+    return Run(script, str(tmp_path), torch.device("cpu"), False, rank, world_size)
 
 
 def image_set(n, classes, size=8, seed=0):
@@ -149,14 +151,14 @@ LOOPS = {
     "resnet_tinyimagenet": (resnet_tinyimagenet, resnet_tinyimagenet.train_one_epoch),
     "pretrained_cifar100": (pretrained_cifar100, pretrained_cifar100.train_one_epoch),
     "sync_sgd_cifar100": (sync_sgd_cifar100, lambda *a: sync_sgd_cifar100.train_one_epoch(
-        *a, lambda: None)),
+        *a, Comm(0, 1))),
 }
 
 
 def run_epochs(name, tmp_path, epochs, *flags, n=12, batch=4):
     """Train a Recorder with `name`'s train_one_epoch as its main does (optimizer from
-    training.param_groups, the warm-up + cosine schedule, a Meter per epoch); return the model,
-    its initial parameters, the criterion and the parsed arguments."""
+    training.param_groups, the warm-up + cosine schedule); return the model, its initial
+    parameters, the criterion and the parsed arguments."""
     module, train_one_epoch = LOOPS[name]
     args = module.parse_args(["--epochs", str(epochs), "--batch-size", str(batch), *flags])
     proc = cpu_process(tmp_path, name)
@@ -167,10 +169,8 @@ def run_epochs(name, tmp_path, epochs, *flags, n=12, batch=4):
     optimizer = torch.optim.SGD(training.param_groups(model, args.weight_decay), lr=args.lr,
                                 momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
     scheduler = training.warmup_cosine(optimizer, args, len(train))
-    state = State()
     for epoch in range(epochs):
-        meter = training.Meter(train, epoch, args, proc, state, scheduler)
-        train_one_epoch(model, meter, criterion, optimizer, scheduler, proc)
+        train_one_epoch(model, criterion, optimizer, scheduler, train, epoch, proc)
     return model, initial, criterion, args
 
 
@@ -361,7 +361,7 @@ def test_sync_sgd_logs_the_accuracy_of_the_model_it_saves(cifar_dir, tmp_path, w
 # --------------------------------------------------------------------- an async worker
 
 def _async_worker_and_server(rank, port, record):
-    """Rank 1 runs async_sgd_cifar100.work for 2 epochs on 16 samples labelled 0..15; rank 0
+    """Rank 1 runs async_sgd_cifar100.worker for 2 epochs on 16 samples labelled 0..15; rank 0
     stands in for the parameter server: it keeps every gradient message and always replies
     with all-zero parameters."""
     torch.set_num_threads(1)
@@ -371,17 +371,17 @@ def _async_worker_and_server(rank, port, record):
     args = async_sgd_cifar100.parse_args(["--epochs", "2", "--batch-size", "4"])
     torch.manual_seed(0)
     model = nn.Sequential(OrderedDict(flatten=nn.Flatten(), fc=nn.Linear(3 * 8 * 8, 16)))
-    layout = async_sgd_cifar100.Layout(model, 4)  # with the head's inputs (--fresh-head)
+    layout = Messages(model, 4)  # with room for the head's inputs
     if rank == 1:
-        proc = Process("async_sgd_cifar100", ".", torch.device("cpu"), False, 1, 2)
-        train = loader.train_loader(image_set(16, 16), args, proc, batch_size=4)
-        async_sgd_cifar100.work(model, train, args, proc, 0)
+        run = Run("async_sgd_cifar100", ".", torch.device("cpu"), False, 1, 2)
+        train = loader.make_loader(image_set(16, 16), args, run, train=True, batch_size=4)
+        async_sgd_cifar100.worker(model, train, args, run, 0)
     else:
-        messages, message = [], torch.zeros(layout.message_size)
+        messages, message = [], torch.zeros(layout.size)
         reply = torch.zeros(layout.reply_size)  # CONTINUE, then parameters of all zeros
         while True:
             worker = dist.recv(message)
-            if message[0].item() == async_sgd_cifar100.DONE:
+            if message[0].item() == DONE:
                 break
             messages.append(message.clone())
             dist.send(reply, dst=worker)
@@ -419,8 +419,7 @@ def test_async_worker_computes_on_the_parameters_the_server_sends(async_messages
 
 
 def test_async_worker_sends_the_heads_inputs_with_its_gradient(async_messages):
-    """--fresh-head: after the gradient, each message carries the batch's features as the head
-    (fc) saw them -- here the flattened, normalised images -- and the batch's labels, which are
+    """After the gradient, each message carries the batch's features as the head (fc) saw them -- here the flattened, normalised images -- and the batch's labels, which are
     the labels the gradient came from."""
     head = async_messages[:, 4 + 16 * 3 * 8 * 8 + 16:]
     features, labels = head[:, :4 * 192].reshape(-1, 4, 192), head[:, 4 * 192:]
@@ -471,7 +470,7 @@ def test_async_workers_split_the_training_set_and_reshard_it_each_epoch(tmp_path
         cwd=ROOT, env=child_env(BATCHES_OUT=str(record)), capture_output=True, text=True,
         timeout=TIMEOUT)
     assert result.returncode == 0, result.stdout + result.stderr
-    mean, std = data.CIFAR100_MEAN[0], data.CIFAR100_STD[0]
+    mean, std = data.SPECS["cifar100"].mean[0], data.SPECS["cifar100"].std[0]
 
     def indices(rank):  # each image's index, from its normalised red value
         values = json.loads((tmp_path / f"batches.{rank}").read_text())
@@ -488,261 +487,58 @@ def test_async_workers_split_the_training_set_and_reshard_it_each_epoch(tmp_path
     assert set(worker1[:n // 2]) != set(worker1[n // 2:])  # resharded, not only reordered
 
 
-def _server(dc_lambda, *flags, workers=2, model=None, fresh_head=False):
-    # --pull 0: each test pins its own part of the rule (a test's own --pull comes later)
-    args = async_sgd_cifar100.parse_args(["--lr", "0.2", "--epochs", "2", "--warmup-epochs", "0",
-                                          "--pull", "0", "--dc-lambda", str(dc_lambda), *flags,
-                                          "--fresh-head" if fresh_head else "--no-fresh-head"])
+class _Done:
+    def wait(self):
+        pass
+
+
+def server_rule(theta, sequence, n, lr_at, decay, head, head_gradient, mu=0.9, pull=0.2):
+    """The async server's rule, stated again with plain tensors, for `sequence`'s gradients
+    ((worker, gradient, features, labels), in the order they arrive; every worker starts from
+    theta): the parameters it replies with after each, and those it ends with.  Its head's
+    gradient is recomputed at the current parameters; a gradient 2 or more updates stale is
+    pulled pull / n of the way back to where it was computed (not the head); the rest is
+    torch's Nesterov step with weight decay and one momentum buffer per worker; the reply is
+    theta extrapolated n - 1 updates along the buffers' mean."""
+    sent = {w: (theta.clone(), 0) for w in range(1, n + 1)}  # parameters, the update they left
+    v = {w: torch.zeros_like(theta) for w in sent}
+    replies = []
+    for version, (worker, g, features, labels) in enumerate(sequence):
+        g = g.clone()
+        g[head] = head_gradient(theta, features, labels)
+        gap = theta - sent[worker][0]
+        gap[head] = 0
+        stale = version - sent[worker][1]
+        d = g + decay * theta
+        v[worker] = mu * v[worker] + d
+        theta = theta - lr_at(version) * (d + mu * v[worker]) \
+            - (pull / n if n > 1 and stale >= 2 else 0.0) * gap
+        reply = theta - (n - 1) * lr_at(version + 1) / n * sum(v.values())
+        sent[worker] = (reply, version + 1)
+        replies.append((worker, reply))
+    return replies, theta
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_async_server_applies_its_rule_to_stale_gradients(monkeypatch, n):
+    """Gradients of n workers arriving in an irregular order (staleness 0 to several updates):
+    the parameters the server replies with, in order and to whom, and those it ends with, are
+    the rule's (`server_rule`); each update's staleness and whether it was pulled are counted.
+    The head's gradient in each message is NaN: the server must recompute it, never use it."""
+    sent = []
+    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
+                        lambda tensor, dst: sent.append((dst, tensor.clone())) or _Done())
+    args = async_sgd_cifar100.parse_args(["--lr", "0.3", "--epochs", "3", "--warmup-epochs",
+                                          "0.5", "--batch-size", str(2 * n)])
     torch.manual_seed(0)
-    model = model or nn.Sequential(nn.Linear(4, 3))
-    return (async_sgd_cifar100.Server(model, workers, args, None, None, State(), 10, None, None),
-            args)
-
-
-def _gradient_message(gradient):
-    header = torch.tensor([async_sgd_cifar100.GRADIENT, 4.0, 1.0, 5.0])
-    return torch.cat([header, gradient])  # no BatchNorm buffers in this model
-
-
-def test_async_server_compensates_a_stale_gradient_for_the_updates_it_missed(monkeypatch):
-    """Two workers start from theta_0.  Worker 1's first gradient is not stale and is applied
-    as it is; worker 2's (computed at theta_0) is one update stale, and so is worker 1's second
-    (computed at theta_1, the reply to its first).  The server moves each to the current
-    parameters by delay compensation, g + lambda g^2 (theta - theta_sent) / sqrt(mean g^2),
-    then takes the Nesterov step with that worker's own buffer."""
-    monkeypatch.setattr(async_sgd_cifar100.dist, "isend", lambda tensor, dst: _Done())
-    server, args = _server(2.0, "--ahead", "0")  # replies: the parameters as they are
-    theta0 = server.theta.clone()
-    g1, g2, g3 = (torch.randn_like(theta0) for _ in range(3))
-    decay = torch.tensor([args.weight_decay] * 12 + [0.0] * 3)  # the weight, not the bias
-    lr = server.lr()
-    server.apply(1, _gradient_message(g1.clone()))
-    server.reply(1, async_sgd_cifar100.CONTINUE)
-    v1 = g1 + decay * theta0
-    theta1 = theta0 - lr * (v1 + 0.9 * v1)
-    assert torch.allclose(server.theta, theta1, atol=1e-7)
-    lr = server.lr()
-    server.apply(2, _gradient_message(g2.clone()))
-    server.reply(2, async_sgd_cifar100.CONTINUE)
-    mean_square = 0.95 * 0.05 * g1 * g1 + 0.05 * g2 * g2
-    v2 = g2 + 2.0 * g2 * g2 * (theta1 - theta0) / (mean_square.sqrt() + 1e-7) + decay * theta1
-    theta2 = theta1 - lr * (v2 + 0.9 * v2)
-    assert torch.allclose(server.theta, theta2, atol=1e-6), (server.theta - theta2).abs().max()
-    lr = server.lr()
-    server.apply(1, _gradient_message(g3.clone()))
-    mean_square = 0.95 * mean_square + 0.05 * g3 * g3
-    d = g3 + 2.0 * g3 * g3 * (theta2 - theta1) / (mean_square.sqrt() + 1e-7) + decay * theta2
-    v1 = 0.9 * v1 + d
-    theta3 = theta2 - lr * (d + 0.9 * v1)
-    assert torch.allclose(server.theta, theta3, atol=1e-6), (server.theta - theta3).abs().max()
-    plain, _ = _server(0, "--ahead", "0")  # --dc-lambda 0: the stale gradient as it came
-    plain.apply(1, _gradient_message(g1.clone()))
-    plain.apply(2, _gradient_message(g2.clone()))
-    assert (plain.theta - theta2).abs().max() > 1e-3
-
-
-def test_async_server_measures_staleness_from_the_parameters_it_last_sent(monkeypatch):
-    """A reply records what it sends as that worker's starting point; the other worker's stays
-    where it was (so its next gradient is compensated for both updates since)."""
-    sent = []
-    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
-                        lambda tensor, dst: sent.append((dst, tensor.clone())) or _Done())
-    server, _ = _server(2.0)
-    theta0 = server.theta.clone()
-    server.apply(1, _gradient_message(torch.randn_like(theta0)))
-    server.reply(1, async_sgd_cifar100.CONTINUE)
-    assert sent[-1][0] == 1 and torch.equal(server.sent[1], sent[-1][1][1:])
-    assert not torch.equal(server.sent[1], theta0)
-    assert torch.equal(server.sent[2], theta0)
-
-
-def test_async_server_replies_with_the_parameters_extrapolated_over_the_updates_in_flight(
-        monkeypatch):
-    """With N workers a gradient arrives about N - 1 updates after its parameters left, and
-    meanwhile the parameters move mostly along the momentum (lr / N * v_j per update, v_j
-    worker j's buffer).  So the reply is theta - K * lr / N * mean_j v_j, K = N - 1 by default
-    (--ahead K; 0: theta as it is); the server's own theta is not moved by it."""
-    sent = []
-    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
-                        lambda tensor, dst: sent.append((dst, tensor.clone())) or _Done())
-    for workers, flags, ahead in ((2, (), 1.0), (4, (), 3.0), (4, ("--ahead", "5"), 5.0),
-                                  (4, ("--ahead", "0"), 0.0)):
-        server, args = _server(0, *flags, workers=workers)
-        reference, _ = _server(0, "--ahead", "0", workers=workers)
-        decay = torch.tensor([args.weight_decay] * 12 + [0.0] * 3)
-        v = torch.zeros(workers, 15)
-        for step, worker in enumerate([1, 2, 1, workers]):
-            g = torch.randn(15)
-            theta = server.theta.clone()
-            lr = server.lr()
-            server.apply(worker, _gradient_message(g.clone()))
-            reference.apply(worker, _gradient_message(g.clone()))
-            d = g + decay * theta
-            v[worker - 1] = 0.9 * v[worker - 1] + d
-            assert torch.allclose(server.theta, theta - lr * (d + 0.9 * v[worker - 1]),
-                                  atol=1e-6)
-            assert torch.equal(server.theta, reference.theta)  # the rule itself is unchanged
-            server.reply(worker, async_sgd_cifar100.CONTINUE)
-            expected = server.theta - ahead * server.lr() / workers * v.sum(0)
-            assert sent[-1][0] == worker
-            assert torch.allclose(sent[-1][1][1:], expected, atol=1e-6), (workers, step)
-            if step:
-                assert ahead == 0 or (sent[-1][1][1:] - server.theta).abs().max() > 1e-4
-
-
-def test_async_server_pulls_back_towards_where_each_gradient_was_computed(monkeypatch):
-    """--pull P: after its Nesterov step, each update moves the parameters P / N of the way
-    back to the parameters its worker computed the gradient on (the reply it was sent,
-    extrapolated), measured before the step.  Two workers, the reply extrapolated (the
-    default): worker 2's first gradient was computed at theta_0, worker 1's second at the
-    reply to its first.  --pull-from 0: every update is pulled, whatever its staleness."""
-    sent = {}
-    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
-                        lambda tensor, dst: sent.update({dst: tensor[1:].clone()}) or _Done())
-    server, args = _server(0, "--pull", "0.4", "--pull-from", "0")
-    decay = torch.tensor([args.weight_decay] * 12 + [0.0] * 3)
-    theta0 = server.theta.clone()
-    held = {1: theta0, 2: theta0}  # every worker starts from theta_0
-    v = torch.zeros(2, 15)
-    torch.manual_seed(1)
-    for worker in (1, 2, 1, 1, 2):
-        g, theta, lr = torch.randn(15), server.theta.clone(), server.lr()
-        server.apply(worker, _gradient_message(g.clone()))
-        d = g + decay * theta
-        v[worker - 1] = 0.9 * v[worker - 1] + d
-        expected = theta - lr * (d + 0.9 * v[worker - 1]) - 0.2 * (theta - held[worker])
-        assert torch.allclose(server.theta, expected, atol=1e-6), \
-            (worker, (server.theta - expected).abs().max())
-        assert worker == 1 and torch.equal(theta, held[1]) or \
-            (theta - held[worker]).abs().max() > 1e-3  # so the pull is seen
-        server.reply(worker, async_sgd_cifar100.CONTINUE)
-        held[worker] = sent[worker]
-
-    # --fresh-head: the head's gradient is computed at the current parameters, so the head
-    # is not pulled; the body is
-    def server_with(pull):  # the same initial weights for both
-        torch.manual_seed(2)
-        model = nn.Sequential(OrderedDict(body=nn.Linear(4, 5), fc=nn.Linear(5, 3)))
-        return _server(0, "--pull", pull, "--pull-from", "0", "--batch-size", "4",
-                       model=model, fresh_head=True)[0]
-
-    pulled, unpulled = server_with("0.4"), server_with("0")
-    features, labels = torch.randn(2, 5), torch.tensor([2, 0])
-    head = torch.cat([features.reshape(-1), labels.float()])  # 2 samples, the slot's size
-    for worker in (1, 2):  # worker 2's gradient is one update stale
-        message = torch.cat([torch.tensor([async_sgd_cifar100.GRADIENT, 2.0, 1.0, 5.0]),
-                             torch.randn(43), head])
-        pulled.apply(worker, message.clone())
-        unpulled.apply(worker, message.clone())
-    gap = pulled.theta - unpulled.theta
-    assert gap[:25].abs().max() > 1e-4  # the body
-    assert torch.equal(gap[25:], torch.zeros(18))  # the head (fc's weight and bias)
-
-
-def test_async_server_pulls_only_gradients_stale_by_pull_from_or_more(monkeypatch):
-    """--pull-from S (default 2): only an update whose gradient is at least S updates stale
-    is pulled.  Three workers, the reply as it is (--ahead 0); the order 1, 2, 3, 1, 3 makes
-    the staleness 0, 1, 2, 2, 1: the third and fourth updates are pulled, the others applied
-    as without --pull, while the gaps of all but the first are non-zero."""
-    sent = {}
-    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
-                        lambda tensor, dst: sent.update({dst: tensor[1:].clone()}) or _Done())
-
-    def server_with(pull):  # the same initial weights for both
-        torch.manual_seed(0)
-        return _server(0, "--pull", pull, "--ahead", "0", workers=3,
-                       model=nn.Sequential(nn.Linear(4, 3)))[0]
-
-    pulled, plain = server_with("0.6"), server_with("0")
-    assert pulled.args.pull_from == 2  # the default
-    held = {w: pulled.theta.clone() for w in (1, 2, 3)}
-    torch.manual_seed(1)
-    for worker, staleness in zip((1, 2, 3, 1, 3), (0, 1, 2, 2, 1)):
-        g, theta = torch.randn(15), pulled.theta.clone()
-        plain.theta.copy_(theta)  # the step from the same parameters, without the pull
-        plain.v = {w: v.clone() for w, v in pulled.v.items()}
-        plain.version, plain.sent_version = pulled.version, dict(pulled.sent_version)
-        pulled.apply(worker, _gradient_message(g.clone()))
-        plain.apply(worker, _gradient_message(g.clone()))
-        assert pulled.staleness[-1] == staleness
-        expected = plain.theta - (0.2 * (theta - held[worker]) if staleness >= 2 else 0.0)
-        assert torch.allclose(pulled.theta, expected, atol=1e-6), (worker, staleness)
-        assert staleness == 0 or (theta - held[worker]).abs().max() > 1e-3  # a pull to see
-        pulled.reply(worker, async_sgd_cifar100.CONTINUE)
-        held[worker] = sent[worker]
-    # metrics.csv's `pulled` column counts them: the third and fourth updates of five
-    assert (pulled.pulled, plain.pulled) == (2, 0)
-
-
-def test_async_server_pull_centered_measures_the_gap_beyond_the_expected_drift(monkeypatch):
-    """--pull-centered: the pull's gap is measured from where the reply's forecast puts the
-    parameters by the time the gradient comes back -- the reply plus K - s updates along the
-    mean buffer for a gradient s updates stale (--ahead K) -- so that, when the updates in
-    flight move the parameters as forecast, the pull moves nothing.  Three workers, --ahead 4,
-    the order 1, 2, 3, 1, 3, 2, 2 (staleness 0, 1, 2, 2, 1, 3, 0): K - s is never 0."""
-    sent = {}
-    monkeypatch.setattr(async_sgd_cifar100.dist, "isend",
-                        lambda tensor, dst: sent.update({dst: tensor[1:].clone()}) or _Done())
-    server, args = _server(0, "--pull", "0.6", "--pull-from", "0", "--ahead", "4",
-                           "--pull-centered", workers=3)
-    decay = torch.tensor([args.weight_decay] * 12 + [0.0] * 3)
-    held = {w: server.theta.clone() for w in (1, 2, 3)}
-    v = torch.zeros(3, 15)
-    torch.manual_seed(1)
-    for worker, staleness in zip((1, 2, 3, 1, 3, 2, 2), (0, 1, 2, 2, 1, 3, 0)):
-        g, theta, lr = torch.randn(15), server.theta.clone(), server.lr()
-        forecast = held[worker] + (4 - staleness) * lr * v.mean(0)  # before this update
-        server.apply(worker, _gradient_message(g.clone()))
-        assert server.staleness[-1] == staleness
-        d = g + decay * theta
-        v[worker - 1] = 0.9 * v[worker - 1] + d
-        expected = theta - lr * (d + 0.9 * v[worker - 1]) - 0.2 * (theta - forecast)
-        assert torch.allclose(server.theta, expected, atol=1e-6), \
-            (worker, staleness, (server.theta - expected).abs().max())
-        # the centring is seen: the gap from the reply alone differs from it
-        assert staleness == 0 and worker != 2 or (forecast - held[worker]).abs().max() > 1e-3
-        server.reply(worker, async_sgd_cifar100.CONTINUE)
-        held[worker] = sent[worker]
-    # When the drift is as forecast, the centred pull moves next to nothing, the pull from the
-    # reply a lot: one gradient for every update, the turns in order (each gradient N - 1 = 2
-    # updates stale, the reply K = 4 ahead); the buffers build up over the first rounds
-    def run(*flags):
-        torch.manual_seed(0)
-        server = _server(0, "--ahead", "4", "--weight-decay", "0", "--epochs", "30", *flags,
-                         workers=3)[0]
-        g = torch.randn(15)
-        for worker in (1, 2, 3) * 60:
-            server.apply(worker, _gradient_message(g.clone()))
-            server.reply(worker, async_sgd_cifar100.CONTINUE)
-        return server.theta
-    plain = run("--pull", "0")
-    centred = run("--pull", "0.6", "--pull-from", "0", "--pull-centered")
-    from_reply = run("--pull", "0.6", "--pull-from", "0")
-    assert (centred - plain).abs().max() < 0.1 * (from_reply - plain).abs().max()
-
-
-def test_async_server_computes_the_heads_gradient_at_its_current_parameters(monkeypatch):
-    """--fresh-head (the default): the head's (fc's) gradient that comes in a message is stale
-    like the rest; the server replaces it by the head's gradient at its current parameters,
-    from the features and labels the message carries.  Worker 2's gradient arrives one update
-    after worker 1's: its head part must be the gradient at theta_1, not at theta_0 where
-    worker 2 computed it, and not what it sent (NaN here); the body's part is applied as
-    sent."""
-    monkeypatch.setattr(async_sgd_cifar100.dist, "isend", lambda tensor, dst: _Done())
     model = nn.Sequential(OrderedDict(body=nn.Linear(4, 5), fc=nn.Linear(5, 3)))
-    server, args = _server(0, "--ahead", "0", "--batch-size", "4", model=model, fresh_head=True)
+    server = async_sgd_cifar100.Server(model, n, args, None, None, State(), 12, [0] * n, None)
+    theta0 = server.theta.clone()
     decay = torch.tensor([args.weight_decay] * 20 + [0.0] * 5 + [args.weight_decay] * 15
-                         + [0.0] * 3)
-    features, labels = torch.randn(2, 5), torch.tensor([2, 0])
+                         + [0.0] * 3)  # the weights, not the biases
+    head = slice(25, 43)
 
-    def message(body_gradient):  # 2 samples; the head's slot in the batch of 4 partly used
-        gradient = torch.cat([body_gradient, torch.full((18,), float("nan"))])
-        head = torch.zeros(2 * (5 + 1))
-        head[:10], head[10:12] = features.reshape(-1), labels.float()
-        return torch.cat([torch.tensor([async_sgd_cifar100.GRADIENT, 2.0, 1.0, 5.0]),
-                          gradient, head])
-
-    def head_gradient_at(theta):
+    def head_gradient(theta, features, labels):
         fc = nn.Linear(5, 3)
         with torch.no_grad():
             fc.weight.copy_(theta[25:40].view(3, 5))
@@ -750,20 +546,34 @@ def test_async_server_computes_the_heads_gradient_at_its_current_parameters(monk
         F.cross_entropy(fc(features), labels, label_smoothing=0.1).backward()
         return torch.cat([fc.weight.grad.reshape(-1), fc.bias.grad])
 
-    v = torch.zeros(2, 43)
-    for worker in (1, 2):
-        body, theta, lr = torch.randn(25), server.theta.clone(), server.lr()
-        server.apply(worker, message(body.clone()))
-        d = torch.cat([body, head_gradient_at(theta)]) + decay * theta
-        v[worker - 1] = 0.9 * v[worker - 1] + d
-        assert torch.allclose(server.theta, theta - lr * (d + 0.9 * v[worker - 1]), atol=1e-6), \
-            (worker, (server.theta - theta + lr * (d + 0.9 * v[worker - 1])).abs().max())
-    assert server.theta.isfinite().all()
-
-
-class _Done:
-    def wait(self):
-        pass
+    order = [1, 2, 1, 3, 4, 4, 2, 1, 3, 3, 2, 4, 1, 1, 2, 3, 4, 2, 1, 4]
+    rng = torch.Generator().manual_seed(1)
+    sequence = []
+    for worker in [w for w in order if w <= n]:
+        samples = 1 + len(sequence) % 2  # 1 or 2 of the batch's 2 slots
+        features = torch.randn(samples, 5, generator=rng)
+        labels = torch.randint(0, 3, (samples,), generator=rng)
+        sequence.append((worker, torch.randn(43, generator=rng), features, labels))
+        head_slot = torch.zeros(2 * 5 + 2)
+        head_slot[:samples * 5], head_slot[10:10 + samples] = features.reshape(-1), labels
+        gradient = torch.cat([sequence[-1][1][:25], torch.full((18,), float("nan"))])
+        message = torch.cat([torch.tensor([GRADIENT, samples, 1.0, 2.0]), gradient, head_slot])
+        server.apply(worker, message)
+        server.reply(worker, async_sgd_cifar100.CONTINUE, set(server.workers))
+    lr_at = server.lr
+    replies, theta = server_rule(theta0, sequence, n, lr_at, decay, head, head_gradient)
+    assert [dst for dst, _ in sent] == [w for w, _ in replies]
+    for step, ((_, got), (_, expected)) in enumerate(zip(sent, replies)):
+        assert got[0] == async_sgd_cifar100.CONTINUE
+        torch.testing.assert_close(got[1:], expected, rtol=1e-5, atol=1e-6, msg=f"reply {step}")
+    torch.testing.assert_close(server.theta, theta, rtol=1e-5, atol=1e-6)
+    assert (server.theta - theta0).abs().max() > 0.1  # it moved: the check has teeth
+    staleness = [len(sequence[:i]) - max([j + 1 for j in range(i) if sequence[j][0] == w],
+                                         default=0) for i, (w, *_) in enumerate(sequence)]
+    assert server.epoch.staleness == staleness
+    assert server.epoch.pulled == sum(s >= 2 for s in staleness) * (n > 1)
+    if n == 4:
+        assert max(staleness) >= 4 and 0 < server.epoch.pulled < len(sequence)
 
 
 def test_every_mutant_still_applies_to_the_code_and_names_real_tests():
@@ -773,13 +583,3 @@ def test_every_mutant_still_applies_to_the_code_and_names_real_tests():
     import mutants
     stale = {m.name: why for m in mutants.MUTANTS if (why := mutants.stale(m))}
     assert not stale, f"update these mutants along with the code and tests: {stale}"
-
-
-def test_readme_counts_the_mutants_there_are():
-    """The README tells a user how many classic bugs `python tests/mutants.py` checks; a
-    mutant added without updating it would make that figure quietly wrong."""
-    import mutants
-    with open(os.path.join(ROOT, "README.md")) as f:
-        counted = re.search(r"The whole list \((\d+) bugs\)", f.read())
-    assert counted, "README.md no longer says how many bugs tests/mutants.py checks"
-    assert int(counted.group(1)) == len(mutants.MUTANTS)

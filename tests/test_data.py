@@ -15,8 +15,8 @@ import torch.nn.functional as F
 import resnet_cifar100
 from common import data, flags
 from common.loader import DeviceLoader
-from common import process
-from common.process import UserError
+from common import run as run_module
+from common.run import UserError
 from tests.datagen import (CIFAR100_FINE_LABEL_NAMES, DAMAGED_IMAGES, cifar_label_from_image,
                            dump_cifar_pickle, make_cifar100, make_imagefolder,
                            make_tinyimagenet, snapshot_tree, tiny_label_from_image,
@@ -371,7 +371,7 @@ def test_imagefolder_undecodable_image_in_a_worker_is_one_line(folder_copy, capf
             pass
 
     with pytest.raises(SystemExit) as exit_:
-        process.execute(main)
+        run_module.execute(main)
     assert exit_.value.code == 2
     lines = capfd.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: cannot decode image"), lines

@@ -16,11 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from common import data
-from common.distributed import Comm, import_before_init, pack_state, unpack_state
-from common.launch import Launch, check_torchrun_master, detect_launch, free_port
+from common import collectives, data
+from common.collectives import Comm
+from common.distributed import import_before_init
+from common.launch import Launch, detect_launch
 from common.loader import DeviceLoader
-from common.process import UserError
+from common.network import check_torchrun_master, free_port
+from common.run import UserError
 from helpers import MPIRUN, ROOT, child_env
 
 TIMEOUT = 240  # no distributed test may hang
@@ -54,7 +56,7 @@ def assert_outputs(out, epochs):
 # --------------------------------------------------------------- equivalence of sync SGD
 
 class NoBatchNormNet(nn.Module):
-    """Several parameter tensors (so that there are several buckets), no BatchNorm."""
+    """Several parameter tensors (several gradients in the one flat message), no BatchNorm."""
 
     def __init__(self):
         super().__init__()
@@ -95,7 +97,7 @@ def _join_gloo(rank, world, port):
     """A spawned rank's gloo group on loopback, one thread; at the end every rank waits for the
     others to be done with their collectives before any tears gloo down."""
     torch.set_num_threads(1)
-    import_before_init()  # as distributed.start does (see there)
+    import_before_init()  # as distributed.process_group does (see there)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     yield
@@ -103,26 +105,25 @@ def _join_gloo(rank, world, port):
     dist.destroy_process_group()
 
 
-def _sync_worker(rank, world, port, divide_by, result_path, exchange="buckets"):
-    from sync_sgd_cifar100 import BucketedAllReduce, average_gradients
+def _sync_worker(rank, world, port, divide_by, result_path):
+    from sync_sgd_cifar100 import average_gradients
     with _join_gloo(rank, world, port):
         torch.manual_seed(rank)  # different seeds: the broadcast must make them equal
         model = NoBatchNormNet()
-        Comm(Launch("test", rank, world)).broadcast_parameters(model)
-        if exchange == "per-parameter":  # the slides' way: one all_reduce per parameter
-            step = lambda: average_gradients(model, divide_by)  # noqa: E731
-        else:
-            reducer = BucketedAllReduce(model, divide_by, bucket_mb=0.001)  # many buckets
-            assert len(reducer.buckets) > 2
-            step = reducer.wait
+        Comm(rank, world).broadcast_parameters(model)
+
+        def step():  # the script's exchange; divided by `divide_by` in all (1: the sum)
+            average_gradients(model, world)
+            for p in model.parameters():
+                p.grad *= world / divide_by
         params = train_steps(model, loader_for(16, rank, world), 2, step)
         if rank == 0:
             torch.save(params, result_path)
 
 
-def sync_params(tmp_path, divide_by, exchange="buckets"):
-    result = tmp_path / f"params_{divide_by}_{exchange}.pt"
-    mp.start_processes(_sync_worker, args=(2, free_port(), divide_by, str(result), exchange),
+def sync_params(tmp_path, divide_by):
+    result = tmp_path / f"params_{divide_by}.pt"
+    mp.start_processes(_sync_worker, args=(2, free_port(), divide_by, str(result)),
                        nprocs=2, start_method="spawn")
     return torch.load(result)
 
@@ -139,15 +140,6 @@ def test_sync_sgd_on_two_ranks_equals_one_process_with_the_global_batch(tmp_path
     assert not torch.allclose(summed, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_per_parameter_averaging_equals_one_process_too(tmp_path):
-    """--exchange per-parameter (the slides' average_gradients) makes the same updates."""
-    torch.manual_seed(0)
-    expected = train_steps(NoBatchNormNet(), loader_for(16, 0, 1), 2, lambda: None)
-    averaged = sync_params(tmp_path, divide_by=2, exchange="per-parameter")
-    assert torch.allclose(averaged, expected, rtol=1e-4, atol=1e-5), \
-        (averaged - expected).abs().max()
-
-
 def _broadcast_worker(rank, world, port, result_path, channels_last):
     with _join_gloo(rank, world, port):
         from common.model import HW4ResNet
@@ -156,7 +148,7 @@ def _broadcast_worker(rank, world, port, result_path, channels_last):
         if rank and channels_last:  # an async worker with --amp; its server's stays contiguous
             model = model.to(memory_format=torch.channels_last)
         before = torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values()])
-        Comm(Launch("test", rank, world)).broadcast_parameters(model)
+        Comm(rank, world).broadcast_parameters(model)
         after = torch.cat([t.detach().reshape(-1).float() for t in model.state_dict().values()])
         torch.save((before, after), f"{result_path}.{rank}")
 
@@ -177,24 +169,40 @@ def _views_of_one_vector(n_views=50, size=20_000):
     return {"model": dict(enumerate(flat.split(size))), "epoch": 3, "note": None}
 
 
-def test_a_state_of_views_travels_at_its_size_and_as_plain_data():
+def broadcast_between_two_ranks(monkeypatch, state=None, received=None):
+    """Comm.broadcast_state in one process: rank 0 sends `state` (the bytes it broadcasts are
+    returned), or rank 1 reads `received` (bytes, as rank 0 would broadcast them)."""
+    if received is None:
+        sent = []
+        monkeypatch.setattr(collectives.dist, "broadcast",
+                            lambda tensor, src: sent.append(tensor.clone()))
+        assert Comm(0, 2, "gloo").broadcast_state(state) is state
+        return sent[-1]
+    arriving = iter([torch.tensor([received.numel()]), received])
+    monkeypatch.setattr(collectives.dist, "broadcast",
+                        lambda tensor, src: tensor.copy_(next(arriving)))
+    return Comm(1, 2, "gloo").broadcast_state(None)
+
+
+def test_a_state_of_views_travels_at_its_size_and_as_plain_data(monkeypatch):
     state = _views_of_one_vector()
-    data = pack_state(state)
+    data = broadcast_between_two_ranks(monkeypatch, state)
     assert data.numel() < 1.2 * 50 * 20_000 * 4  # each storage once (pickle: 50 times)
-    back = unpack_state(data)
+    back = broadcast_between_two_ranks(monkeypatch, received=data)
     assert back["epoch"] == 3 and back["note"] is None
     assert all(torch.equal(back["model"][k], state["model"][k]) for k in state["model"])
     evil = io.BytesIO()
     torch.save({"x": Launch("test", 0, 1)}, evil)  # an object, not plain data
     with pytest.raises(pickle.UnpicklingError):
-        unpack_state(torch.frombuffer(bytearray(evil.getvalue()), dtype=torch.uint8))
+        broadcast_between_two_ranks(
+            monkeypatch, received=torch.frombuffer(bytearray(evil.getvalue()), dtype=torch.uint8))
 
 
 def _state_worker(rank, world, port, result_path):
     with _join_gloo(rank, world, port):
         torch.manual_seed(0)
         state = _views_of_one_vector() if rank == 0 else None
-        got = Comm(Launch("test", rank, world), "gloo").broadcast_state((state, None))
+        got = Comm(rank, world, "gloo").broadcast_state((state, None))
         torch.save(got, f"{result_path}.{rank}")
 
 
@@ -292,13 +300,13 @@ import argparse, os, sys, torch
 sys.path.insert(0, sys.argv[1])
 from common import distributed
 from common.launch import detect_launch
-from common.process import Process
+from common.run import Run
 launch = detect_launch()
-proc = Process("probe", ".", torch.device("cpu"), False, launch.rank, launch.world_size)
-comm = distributed.start(argparse.Namespace(backend="gloo", timeout=60), proc, launch)
-torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)  # imports torch._dynamo
-comm.finish()
-comm.close()
+run = Run("probe", ".", torch.device("cpu"), False, launch.rank, launch.world_size)
+with distributed.process_group(argparse.Namespace(backend="gloo", timeout=60), run,
+                               launch) as comm:
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)  # imports torch._dynamo
+    comm.wait_for_all_ranks()
 names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
 sys.stdout.write(f"rank {comm.rank} gloo threads after close: "
                  f"{sorted(n for n in names if 'gloo' in n)}\n")
@@ -364,8 +372,8 @@ def test_mpijob_launcher_without_master_addr(cifar_dir, tmp_path):
     """An MPIJob launcher runs mpirun: OMPI_COMM_WORLD_* set, no MASTER_ADDR anywhere."""
     out = tmp_path / "mpijob"
     log = run([MPIRUN, "-np", "2", sys.executable, "sync_sgd_cifar100.py",
-               *tiny_args(cifar_dir, out, "--epochs", "1", "--exchange", "ddp")])
-    assert "rank 0 of world 2" in log and "gradients averaged by ddp" in log
+               *tiny_args(cifar_dir, out, "--epochs", "1")])
+    assert "rank 0 of world 2" in log
     assert_outputs(out, 1)
 
 
@@ -427,51 +435,9 @@ def test_async_sgd_workers_of_different_speeds_stop_cleanly(cifar_dir, tmp_path)
     rows = metrics(out)
     # while worker 1 sleeps, worker 2 pushes several updates: worker 1's gradients are stale
     assert int(rows[-1]["max_staleness"]) >= 2
-    # and those at least 2 updates stale are pulled (--pull-from 2), worker 2's are not: it
-    # sends 4 of the 8 gradients on parameters at most 1 update old
+    # and those at least 2 updates stale are pulled (the rule's PULL_FROM), worker 2's are
+    # not: it sends 4 of the 8 gradients on parameters at most 1 update old
     assert 0 < float(rows[-1]["pulled"]) <= 0.5
-
-
-@needs_mpirun
-def test_async_sgd_share_work_lets_the_faster_worker_make_more_of_the_updates(cifar_dir,
-                                                                             tmp_path):
-    """--share-work beside a worker that sleeps 2 s after each step: the run still makes
-    exactly its 8 updates, each gradient sent is applied once (the slow worker's last, still
-    being computed when the fast worker's brought the total in reach, included), and the fast
-    worker makes most of them instead of waiting at the end of its shard for the slow one."""
-    out = tmp_path / "share"
-    log = run([MPIRUN, "-np", "3", sys.executable, "async_sgd_cifar100.py",
-               *tiny_args(cifar_dir, out, "--epochs", "1", "--straggler-delay", "2",
-                          "--share-work")])
-    sent_applied = parse_async_log(log)
-    assert set(sent_applied) == {1, 2}
-    assert all(sent == applied for sent, applied in sent_applied.values())
-    assert sum(applied for _, applied in sent_applied.values()) == 8
-    assert sent_applied[2][1] > 4 > sent_applied[1][1], sent_applied  # not 4 and 4
-    assert [int(r["updates"]) for r in metrics(out)] == [8]
-    assert_outputs(out, 1)
-
-
-@needs_mpirun
-def test_async_sgd_in_turn_computes_every_gradient_on_the_current_parameters(cifar_dir,
-                                                                             tmp_path):
-    """--in-turn, the no-staleness control of BENCHMARKS.md: the server holds each reply until
-    no other worker computes, so even beside a worker that sleeps after each step only the
-    first round's gradients are stale (the second and third to arrive by 1 and 2 updates),
-    each batch is applied once, and the run ends."""
-    out = tmp_path / "in_turn"
-    log = run([MPIRUN, "-np", "4", sys.executable, "async_sgd_cifar100.py",
-               *tiny_args(cifar_dir, out, "--batch-size", "12", "--train-limit", "72",
-                          "--epochs", "2", "--in-turn", "--ahead", "0",
-                          "--straggler-delay", "0.3")])
-    # 72 samples over 3 workers, 4 per worker: 6 updates per worker per epoch, 18 per epoch
-    assert all(sent == applied == 12 for sent, applied in parse_async_log(log).values())
-    rows = metrics(out)
-    assert [int(r["updates"]) for r in rows] == [18, 36]
-    # the first round: stale by 0, 1 and 2 updates as the workers' gradients arrive; then 0
-    assert float(rows[0]["mean_staleness"]) == pytest.approx(3 / 18, abs=1e-5)
-    assert int(rows[0]["max_staleness"]) == 2
-    assert float(rows[1]["mean_staleness"]) == 0.0 and int(rows[1]["max_staleness"]) == 0
 
 
 def test_async_sgd_needs_two_processes(cifar_dir, tmp_path):

@@ -73,20 +73,28 @@ def test_common_has_no_import_cycle():
 
 @pytest.mark.parametrize("main", MAINS)
 def test_each_main_holds_its_training_step(main):
-    """backward() is written in the main itself (no call into common/ between the command line
-    and backward), and so is what follows it: the optimizer's step, built in the main, or for
-    async SGD the server's update rule (`Server.apply`)."""
+    """A reader reaches the step from the main without opening another file: the batches come
+    from the loader in the main's loop, backward() is called there, and so is what follows it:
+    sync SGD's all_reduce of the gradients (its own `average_gradients`) and the optimizer's
+    step, built in the main; for async SGD the server's update rule (`Server.update`)."""
     tree = tree_of(main)
     source = ast.unparse(tree)
     assert "loss.backward()" in source, f"{main}: no backward() in the main"
+    assert ".epoch_batches(" in source, f"{main}: the loop does not take the loader's batches"
     if main == "async_sgd_cifar100.py":
         servers = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Server"]
         assert servers, "async_sgd_cifar100.py: no Server class"
-        methods = {n.name for n in servers[0].body if isinstance(n, ast.FunctionDef)}
-        assert "apply" in methods, "the async update rule is not Server.apply in the main"
+        methods = {n.name: n for n in servers[0].body if isinstance(n, ast.FunctionDef)}
+        assert "update" in methods, "the async update rule is not Server.update in the main"
+        rule = ast.unparse(methods["update"])
+        assert "theta.sub_(" in rule and "momentum" in rule, "Server.update does not step"
     else:
         assert "optimizer.step()" in source, f"{main}: no optimizer step in the main"
         assert "torch.optim.SGD(" in source, f"{main}: the optimizer is not built in the main"
+    if main == "sync_sgd_cifar100.py":
+        functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert "dist.all_reduce(" in ast.unparse(functions["average_gradients"])
+        assert "average_gradients(model" in ast.unparse(functions["train_one_epoch"])
 
 
 @pytest.mark.parametrize("module", COMMON)

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from common import model as model_module
-from common.model import HW4ResNet, count_parameters
+from common.model import HW4ResNet
 
 # Figure 1, written out again here (not imported from the model): per stage the output
 # channels, the number of basic blocks and the stride of its first block.
@@ -72,7 +72,7 @@ def test_parameter_count_matches_figure1(num_classes):
     net = HW4ResNet(num_classes)
     expected = figure1_parameter_count(num_classes)
     assert sum(p.numel() for p in net.parameters()) == expected
-    assert count_parameters(net) == expected
+    assert sum(p.numel() for p in net.parameters()) == expected
     if num_classes == 100:
         assert expected == 3_559_556  # the hand count itself, so it cannot drift unnoticed
 

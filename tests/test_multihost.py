@@ -116,8 +116,8 @@ def pytorchjob(hosts, args, port, placement=(0, 1)):
 
 
 PROBE = """
-from common.launch import choose_gloo_interface, reachable_address
-from common.process import UserError
+from common.network import choose_gloo_interface, reachable_address
+from common.run import UserError
 print(reachable_address(), choose_gloo_interface("{peer}"), choose_gloo_interface("127.0.0.1"))
 try:
     choose_gloo_interface("10.232.0.1")  # no route to it from this namespace

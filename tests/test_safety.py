@@ -20,7 +20,6 @@ from helpers import ROOT, child_env, ok, one_error_line
 
 TIMEOUT = 240
 SMALL = ["--device", "cpu", "--train-limit", "48", "--test-limit", "24", "--batch-size", "16"]
-CONVERT = "python -m common.checkpoint convert"
 
 
 class RunsCode:
@@ -73,7 +72,7 @@ def test_crafted_checkpoint_is_refused_and_runs_nothing(trained, cifar_dir, tmp_
     before = snapshot_tree(out)
     args = ["--evaluate"] if mode == "evaluate" else ["--epochs", 2]
     proc = run("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out, *SMALL, *args)
-    one_error_line(proc, path, "--fresh", f"{CONVERT} {path}")
+    one_error_line(proc, path, "refused", "--fresh")
     assert not marker.exists()
     assert snapshot_tree(out) == before  # the crafted file too is left as it was
 
@@ -91,68 +90,27 @@ def test_crafted_plain_pickle_checkpoint_is_refused(cifar_dir, tmp_path):
     assert snapshot_tree(out) == before
 
 
-def old_format(state):
-    """`state` as the previous save() wrote it: format 1, numpy's RNG state as numpy's tuple."""
+def test_checkpoint_of_an_older_version_is_refused_and_fresh_starts_over(trained, cifar_dir,
+                                                                       tmp_path):
+    """A checkpoint of the scripts' first format held numpy's RNG state as a numpy array, which
+    only a load that may run code reads: refused in one line naming --fresh, nothing touched;
+    --fresh starts over."""
+    out, path = copy_run(trained, tmp_path)
     np.random.seed(7)
-    return dict(state, format=1, rng=dict(state["rng"], numpy=np.random.get_state(),
-                                          python=random.getstate()))
-
-
-def test_old_checkpoint_names_the_conversion_which_makes_it_resumable(trained, cifar_dir,
-                                                                      tmp_path):
-    out, path = copy_run(trained, tmp_path)
-    new = real_state(trained)
-    old = old_format(new)
-    torch.save(old, path)
-    old_bytes = open(path, "rb").read()
+    torch.save(dict(real_state(trained), format=1, rng={"numpy": np.random.get_state(),
+                                                        "python": random.getstate()}), path)
     before = snapshot_tree(out)
-
-    # resume: one line naming the command; nothing in --out touched
-    proc = train(cifar_dir, out, 2)
-    one_error_line(proc, path, "--fresh", f"{CONVERT} {path}")
+    one_error_line(train(cifar_dir, out, 2), path, "refused", "--fresh")
     assert snapshot_tree(out) == before
-
-    # the conversion: the original kept as .bak, the new file loads safely with the same state
-    log = ok(run("-m", "common.checkpoint", "convert", path))
-    assert "converted" in log[-1] and path + ".bak" in log[-1]
-    assert open(path + ".bak", "rb").read() == old_bytes
-    converted = torch.load(path, map_location="cpu", weights_only=True)
-    assert converted["format"] == checkpoint.FORMAT
-    assert converted["rng"]["numpy"]["keys"].tolist() == old["rng"]["numpy"][1].tolist()
-    assert converted["rng"]["numpy"]["pos"] == old["rng"]["numpy"][2]
-    for name, tensor in new["model"].items():
-        assert torch.equal(converted["model"][name], tensor), name
-    assert converted["optimizer"]["param_groups"] == new["optimizer"]["param_groups"]
-    assert converted["scheduler"] == new["scheduler"] and converted["rows"] == new["rows"]
-
-    # a second conversion has nothing to do and changes nothing
-    converted_bytes = open(path, "rb").read()
-    log = ok(run("-m", "common.checkpoint", "convert", path))
-    assert "nothing to convert" in log[-1]
-    assert open(path, "rb").read() == converted_bytes
-
-    # and the run resumes after epoch 1
-    log = ok(train(cifar_dir, out, 2))
-    assert any(line.startswith("resumed") and "after epoch 1" in line for line in log), log
-    assert torch.load(path, weights_only=True)["epoch"] == 2
-
-
-def test_conversion_refuses_to_overwrite_a_backup(trained, tmp_path):
-    out, path = copy_run(trained, tmp_path)
-    torch.save(old_format(real_state(trained)), path)
-    before = snapshot_tree(out)
-    with open(path + ".bak", "w") as f:
-        f.write("someone's file\n")
-    proc = run("-m", "common.checkpoint", "convert", path)
-    one_error_line(proc, path + ".bak")
-    assert open(path + ".bak").read() == "someone's file\n"
-    os.remove(path + ".bak")
-    assert snapshot_tree(out) == before
+    log = ok(run("resnet_cifar100.py", "--data-dir", cifar_dir, "--out", out, "--epochs", 1,
+                 *SMALL, "--fresh"))
+    assert not any(line.startswith("resumed") for line in log), log
+    assert torch.load(path, weights_only=True)["format"] == checkpoint.FORMAT
 
 
 def test_save_writes_only_plain_types_and_load_reads_them(tmp_path):
-    """The RNG state is stored in types weights_only accepts, and save() refuses any other type
-    (a numpy float in the rows, say) at once, rather than writing a file resume cannot read."""
+    """save() writes what load() reads back, and refuses any type weights_only would refuse (a
+    numpy float in the rows, say) at once, rather than writing a file resume cannot read."""
     path = str(tmp_path / "checkpoint.pt")
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
@@ -160,17 +118,13 @@ def test_save_writes_only_plain_types_and_load_reads_them(tmp_path):
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     scheduler.step()
-    np.random.seed(3)
-    expected = np.random.get_state()
     common = dict(script="s", arch="a", model=model, optimizer=optimizer, scheduler=scheduler,
                   epoch=1, args={"lr": 0.1, "out": "x", "amp": None, "fresh": False})
     checkpoint.save(path, rows=[{"epoch": 1, "test_acc": 1.5}], **common)
     state = checkpoint.load(path, script="s", arch="a")
-    numpy_state = state["rng"]["numpy"]
-    np.random.set_state((numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32),
-                         numpy_state["pos"], numpy_state["has_gauss"],
-                         numpy_state["cached_gaussian"]))
-    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), expected))
+    assert torch.equal(state["model"]["weight"], model.weight.detach())
+    assert state["optimizer"]["state"][0]["momentum_buffer"].shape == (2, 3)
+    assert state["scheduler"]["last_epoch"] == 1 and state["rows"][0]["test_acc"] == 1.5
 
     saved = open(path, "rb").read()
     with pytest.raises(TypeError, match="numpy"):
