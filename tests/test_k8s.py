@@ -692,7 +692,7 @@ def _parse_with_the_script(script, argv):
 
 
 def test_imagenet_example_runs_resnet50_fp32_over_two_mpi_workers(kubectl, tmp_path):
-    """Seed 001's workload: ResNet-50 v1.5 in FP32 on ImageNet from DATASET_DIR, 2 Workers."""
+    """ResNet-50 on an ImageNet-layout folder: v1.5 in FP32 from DATASET_DIR, 2 Workers."""
     if not os.path.exists("/bin/sh"):
         pytest.skip("needs /bin/sh")
     _, docs = render(kubectl, K8S / IMAGENET_EXAMPLE)
@@ -814,7 +814,7 @@ def test_imagenet_example_on_a_pvc(kubectl, tmp_path):
 
 def test_readme_documents_the_imagenet_workload():
     readme = (K8S / "README.md").read_text()
-    assert "Seed 001's workload: ResNet-50 v1.5 on ImageNet" in readme
+    assert "## ResNet-50 on an ImageNet-layout folder" in readme
     assert f"kubectl kustomize k8s/{IMAGENET_EXAMPLE}" in readme
     for needle in ("imagenet/train/<wnid>/", "imagenet/val/<wnid>/", "--no-amp",
                    "--dataset imagefolder", "--arch resnet50", "ILSVRC2012_img_val.tar"):

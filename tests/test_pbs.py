@@ -229,18 +229,18 @@ def test_dry_run_with_fake_scheduler_tools(job, tmp_path):
     assert set(a.split("=")[0] for a in args if a.startswith("--")) <= help_flags(script)
 
 
-# --------------------------------------------------------------------------- seed 001
+# --------------------------------------------------------------------------- ResNet-50
 IMAGENET_JOB = PBS / "resnet50_imagenet.sbatch"
 
 
 def test_imagenet_job_runs_resnet50_fp32_on_an_image_folder(tmp_path):
-    """Seed 001's workload under Slurm: ResNet-50 v1.5, FP32, ImageNet layout in DATA_DIR."""
+    """ResNet-50 on an ImageNet-layout folder under Slurm: v1.5, FP32, the folder in DATA_DIR."""
     assert IMAGENET_JOB in SLURM_JOBS
     text = IMAGENET_JOB.read_text()
     script, flags = launch(text)
     assert script == "sync_sgd_cifar100.py"
     assert {"--dataset", "--arch", "--no-amp"} <= set(flags)
-    assert re.search(r"^#SBATCH --nodes=2\s*$", text, re.M), "2 processes, as the seed's 2 workers"
+    assert re.search(r"^#SBATCH --nodes=2\s*$", text, re.M), "2 processes, as Intel's 2 workers"
     argv, home = dry_run(IMAGENET_JOB, tmp_path)
     args = argv[argv.index(script) + 1:]
     assert last_value(args, "--dataset") == "imagefolder"
@@ -265,7 +265,7 @@ def test_imagenet_job_runs_resnet50_fp32_on_an_image_folder(tmp_path):
 
 def test_readme_shows_the_imagenet_workload():
     readme = (PBS / "README.md").read_text()
-    assert "Seed 001's workload: ResNet-50 v1.5 on ImageNet" in readme
+    assert "## ResNet-50 on an ImageNet-layout folder" in readme
     for needle in ("resnet50_imagenet.sbatch", "--dataset imagefolder --arch resnet50",
                    "--no-amp", "train/<wnid>/", "val/<wnid>/", "sync_sgd_cifar100.pbs"):
         assert needle in readme, f"pbs/README.md does not mention {needle}"
