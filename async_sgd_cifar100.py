@@ -144,9 +144,8 @@ class Server:
 
     @torch.no_grad()
     def update(self, worker, gradient, features, labels):
-        """The rule: apply `worker`'s gradient, computed at the parameters `self.sent[worker]`
-        it was sent, to theta, which N - 1 other updates have moved on since (on average); then
-        compute in `self.sent[worker]` the parameters to send it for its next gradient."""
+        """The rule: `worker`'s gradient, computed at `self.sent[worker]` (theta N - 1 updates
+        ago, on average), applied to theta; then into `self.sent[worker]` what to send it next."""
         theta, v, mu, lr, n = self.theta, self.momentum[worker], self.args.momentum, \
             self.lr(self.version), self.n
         # 1. The head (fc) is never stale: its gradient, recomputed at the current parameters
@@ -181,11 +180,13 @@ class Server:
         #    forecast (7) did not foresee.
         if pull:
             theta.sub_(self.gap, alpha=pull)
-        # 7. While the worker computes, the other N - 1 updates move theta on, mostly along
-        #    their momentum: it is sent theta - (N - 1) lr mean_j(v_j), where its gradient
-        #    will be applied, not where theta is now.
-        torch.add(theta, self.momentum_sum, alpha=-(n - 1) * self.lr(self.version + 1) / n,
-                  out=self.sent[worker])
+        # 7. While it computes, N - 1 other updates move theta on, mostly along their momentum:
+        #    it is sent theta - (N - 1) lr mean_j(v_j), where its next gradient will be applied.
+        if n == 1:  # nothing in flight
+            self.sent[worker].copy_(theta)
+        else:
+            torch.add(theta, self.momentum_sum, alpha=-(n - 1) * self.lr(self.version + 1) / n,
+                      out=self.sent[worker])
         return bool(pull)
 
     def apply(self, worker, message):
@@ -250,8 +251,7 @@ class Server:
         self.finish(finished, failure)
 
     def lost(self, worker, error, active):
-        """The PeerLost to stop with: `worker` leaves `active` (None, from a receive from any
-        source: one of them, unknown, so all leave and none can be told anything more)."""
+        """The PeerLost to stop with; `worker` leaves `active` (None, unknown: all, untold)."""
         why = lost_worker(worker, error, active, self.args.timeout)
         self.broken = self.broken or worker is None
         active.difference_update(self.workers if worker is None else [worker])
