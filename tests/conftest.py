@@ -56,8 +56,8 @@ def pytest_configure(config):
 # on 2 cores): a long file handed out last ran alone for its last minute and a half while the
 # other worker had nothing left.  The quick modules fill the end.
 LONG_FIRST = ["test_reliability.py", "test_distributed.py", "test_scripts.py",
-              "test_multihost.py", "test_classic_bugs.py", "test_safety.py", "test_workloads.py",
-              "test_report.py"]
+              "test_multihost.py", "test_classic_bugs.py", "test_safety.py", "test_bench.py",
+              "test_workloads.py", "test_report.py", "test_readme.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):

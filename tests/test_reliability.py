@@ -1,4 +1,4 @@
-"""Faults, bad input, and nothing lost (each point of the README's "Failure behaviour" table)."""
+"""Faults, bad input, and nothing lost (each row of docs/failures.md)."""
 import hashlib
 import importlib
 import os

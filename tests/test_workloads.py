@@ -1,4 +1,5 @@
-"""Seed 001's workload through the same scripts: --arch resnet50, --dataset imagefolder."""
+"""ResNet-50 on an ImageNet-layout folder through the same scripts: --arch resnet50, --dataset
+imagefolder."""
 import csv
 import os
 import shutil
