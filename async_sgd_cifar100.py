@@ -213,7 +213,7 @@ class Server:
         try:
             self.pending[worker] = dist.isend(message, dst=worker)
         except RuntimeError as exc:
-            return self.lost(worker, exc, active)
+            return self.worker_lost(worker, exc, active)
         self.sent_version[worker] = self.version
         return None
 
@@ -226,7 +226,7 @@ class Server:
         while active:
             worker, message, error = inbox.next()  # from whichever worker sends first
             if error is not None:  # it died, or sent nothing for --timeout: everyone stops
-                failure = failure or self.lost(worker, error, active)
+                failure = failure or self.worker_lost(worker, error, active)
                 continue
             kind = message[0].item()
             if kind == DONE:  # its epochs are trained: it waits for its release
@@ -250,7 +250,7 @@ class Server:
                 self.end_epoch()  # evaluate; checkpoint.pt, metrics.csv, curve.png
         self.finish(finished, failure)
 
-    def lost(self, worker, error, active):
+    def worker_lost(self, worker, error, active):
         """The PeerLost to stop with; `worker` leaves `active` (None, unknown: all, untold)."""
         why = lost_worker(worker, error, active, self.args.timeout)
         self.broken = self.broken or worker is None

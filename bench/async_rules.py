@@ -170,7 +170,7 @@ class VariantServer(async_sgd_cifar100.Server):
                 continue
             worker, message, error = inbox.next()
             if error is not None:
-                failure = failure or self.lost(worker, error, active)
+                failure = failure or self.worker_lost(worker, error, active)
                 continue
             kind = message[0].item()
             if kind == DONE:

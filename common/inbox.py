@@ -47,10 +47,10 @@ class Inbox:
             except RuntimeError as exc:  # it died (gloo's error says so)
                 self.arrived.put((peer, exc))
                 return
-            self.landed(peer, self.messages[peer])
+            self.start_heartbeat_if_done(peer, self.messages[peer])
             self.arrived.put((peer, None))
 
-    def landed(self, peer, message):
+    def start_heartbeat_if_done(self, peer, message):
         if message[0].item() == DONE:
             self.heartbeat.add(peer)
 
@@ -68,7 +68,7 @@ class Inbox:
                 peer = dist.recv(message)
             except RuntimeError as exc:
                 return None, None, exc
-            self.landed(peer, message)
+            self.start_heartbeat_if_done(peer, message)
             return peer, message, None
         while True:
             late = min(self.due, key=self.due.get)

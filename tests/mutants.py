@@ -338,9 +338,9 @@ MUTANTS = [
            "convergence.py calls run side by side (one per variant of the rule) write their "
            "runs so far into one file of the repository"),
     Mutant("stop-reply-to-a-gone-worker-raises", "async_sgd_cifar100.py",
-           "        except RuntimeError as exc:\n            return self.lost(worker, exc, active)\n",
+           "        except RuntimeError as exc:\n            return self.worker_lost(worker, exc, active)\n",
            "        except ZeroDivisionError as exc:\n"
-           "            return self.lost(worker, exc, active)\n",
+           "            return self.worker_lost(worker, exc, active)\n",
            ("tests/test_reliability.py", "-k", "stopping_keeps"),
            "the server, stopping on SIGTERM, answers a worker that has died meanwhile: gloo's "
            "error escapes as a traceback and the checkpoint is never written"),
