@@ -3,7 +3,7 @@ because another rank died or went silent is one line and the retryable exit 200.
 import functools
 import io
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -29,17 +29,26 @@ def failure_line(exc, limit=160):
 
 
 @contextmanager
-def lost_peer(run, state):
-    """A collective that failed because another rank died or went silent for --timeout, as one
-    line and a retryable exit (PeerLost) naming the checkpoint kept (`state`'s)."""
+def peer_lost_as(say, limit=160):
+    """Communication that fails because another rank died or went silent ends this one with
+    the line `say(the error's failure_line)` and the retryable exit (PeerLost); any other error
+    stays as it is."""
     try:
         yield
     except RuntimeError as exc:
-        if run.world_size == 1 or not is_peer_failure(exc):
+        if not is_peer_failure(exc):
             raise
-        raise PeerLost(f"rank {run.rank} lost contact with another rank ({failure_line(exc)}); "
-                       f"the last good checkpoint (epoch {state.epoch}) is kept in {run.out}; "
-                       "restart the job to resume") from None
+        raise PeerLost(say(failure_line(exc, limit))) from None
+
+
+def lost_peer(run, state):
+    """`peer_lost_as` for the training loop: the line names the checkpoint kept (`state`'s, as
+    it is when the peer is lost).  A world of 1 has no peer to lose."""
+    if run.world_size == 1:
+        return nullcontext()
+    return peer_lost_as(lambda why: f"rank {run.rank} lost contact with another rank ({why}); "
+                                    f"the last good checkpoint (epoch {state.epoch}) is kept in "
+                                    f"{run.out}; restart the job to resume")
 
 
 def before_training(method):
@@ -47,14 +56,10 @@ def before_training(method):
     rank that stopped before training began, or went silent, ends the others with one line."""
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
-        try:
+        with peer_lost_as(lambda why: f"rank {self.rank} lost contact with another rank before "
+                                      f"training began ({why}); that rank's own output says "
+                                      "why; the same command tries again"):
             return method(self, *args, **kwargs)
-        except RuntimeError as exc:
-            if not is_peer_failure(exc):
-                raise
-            raise PeerLost(f"rank {self.rank} lost contact with another rank before training "
-                           f"began ({failure_line(exc)}); that rank's own output says why; "
-                           "the same command tries again") from None
     return guarded
 
 

@@ -11,12 +11,11 @@
 and how a worker takes the server's statuses (the server's side: common/inbox.py).
 """
 import itertools
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from .collectives import failure_line, is_peer_failure
+from .collectives import peer_lost_as
 from .run import Interrupted, NonFiniteLoss, PeerLost
 
 GRADIENT, DONE, STOPPING = 0.0, 1.0, 2.0
@@ -99,26 +98,16 @@ def wait_for_release(rank, hint):
     goes silent for --timeout first, the run is not complete: a launcher that restarts failed
     ranks must restart this one too, for the group to meet again."""
     status = torch.zeros(1)
-    try:
+    with peer_lost_as(lambda why: f"worker {rank}: done, but the parameter server died or went "
+                                  f"silent before it said the run was complete ({why}); {hint}",
+                      limit=100):
         dist.recv(status, src=0)  # within --timeout: the heartbeat comes every quarter of it
         while status.item() == ALIVE:
             dist.recv(status, src=0)
-    except RuntimeError as exc:
-        if not is_peer_failure(exc):
-            raise
-        raise PeerLost(f"worker {rank}: done, but the parameter server died or went silent "
-                       f"before it said the run was complete ({failure_line(exc, 100)}"
-                       f"); {hint}") from None
     if status.item() != 0:
         raise stop_error(int(status.item()), rank, hint)
 
 
-@contextmanager
 def losing_the_server(rank):
     """A worker's exchange with the server, where losing it is one line and the exit 200."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if not is_peer_failure(exc):
-            raise
-        raise PeerLost(f"worker {rank} lost the parameter server ({failure_line(exc)})") from None
+    return peer_lost_as(lambda why: f"worker {rank} lost the parameter server ({why})")
