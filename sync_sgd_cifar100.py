@@ -97,7 +97,7 @@ def main(argv=None):
     folder = RunFolder(args, run, TARGET if args.dataset == "cifar100" else None)
     with distributed.process_group(args, run, launch) as comm:
         comm.check_same_flags(args)  # one recipe for every rank
-        train_set, test_set = data.load_datasets(args.dataset, args)
+        train_set, test_set = data.load_datasets(args.dataset, args, comm)  # shared decoding
         train_loader, test_loader = make_loaders(  # this rank's shards
             train_set, test_set, args, run, batch_size=args.batch_size // world, rank=comm.rank,
             world_size=world)

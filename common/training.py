@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from .run import NonFiniteLoss, UserError
 
 LOG_EVERY = 50  # steps between progress updates / non-finite checks (each costs a device sync)
+LINE_EVERY = 60.0  # seconds between progress lines where there is no terminal (a log file)
 
 
 def param_groups(model, weight_decay):
@@ -41,7 +42,8 @@ class EpochMetrics:
     """Loss and accuracy of one training pass over this rank's shard and its time, from the step
     a stopped pass reached (`resumed`, what `partial()` gave its checkpoint).  Summed on the
     device and read every LOG_EVERY steps only (the GPU never waits for the host), raising
-    NonFiniteLoss at the first bad step.  With `comm`, the totals are over every rank."""
+    NonFiniteLoss at the first bad step.  With `comm`, the totals are over every rank.  Progress
+    shows as a bar on a terminal; in a log file (mpirun, PBS, nohup) as a line a minute."""
 
     def __init__(self, run, epoch, steps, lr, resumed=None, comm=None):
         resumed = resumed or {"step": 0, "totals": [0.0, 0.0, 0.0], "seconds": 0.0, "lr": lr}
@@ -56,7 +58,8 @@ class EpochMetrics:
             self.bar = tqdm(desc=f"epoch {epoch + 1}", total=steps, initial=self.step,
                             leave=False, dynamic_ncols=True)
         self.began = time.perf_counter() - resumed["seconds"]
-        self.trained = None
+        self.trained, self.opened = None, time.perf_counter()  # this process's part began
+        self.last_line = self.opened
 
     def update(self, loss, output, labels):
         """Count a step's loss and accuracy (after its optimizer step)."""
@@ -77,6 +80,17 @@ class EpochMetrics:
             if self.bar is not None:
                 self.bar.set_postfix(loss=f"{self.loss_sum.item() / self.count:.3f}",
                                      acc=f"{100.0 * self.correct.item() / self.count:.1f}%")
+            elif time.perf_counter() - self.last_line >= LINE_EVERY:
+                self.log_progress()
+
+    def log_progress(self):
+        """A line for a log file: the step, this rank's loss and accuracy so far, images/s."""
+        self.last_line, world = time.perf_counter(), self.run.world_size
+        self.run.log(f"epoch {self.epoch + 1} step {self.step}/{self.steps}: train loss "
+                     f"{self.loss_sum.item() / self.count:.4f}, train acc "
+                     f"{100.0 * self.correct.item() / self.count:.2f}%"
+                     f"{' (rank 0)' * (world > 1)}, "
+                     f"{self.count * world / (self.last_line - self.opened):.0f} images/s")
 
     def end(self, stopped=False):
         """The pass is over: all its batches, or (`stopped`) up to a SIGTERM/SIGINT."""

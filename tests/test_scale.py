@@ -1,0 +1,144 @@
+"""What real scale asks of the scripts: progress in a log file during a long epoch, TinyImageNet
+decoded once per run rather than once per rank (the parameter server decoding no training
+image), and bench/tiny_to_cifar.py's CIFAR-100-shaped set of real photos."""
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from common import data, training
+from common.network import free_port
+from common.run import Run
+from helpers import ROOT, child_env
+
+TIMEOUT = 240
+
+# A main run under torchrun, with the image decoder counting the files it opens: each rank
+# prints how many it decoded when it exits.
+COUNTING_PROBE = r"""
+import atexit, os, runpy, sys
+sys.path.insert(0, sys.argv[1])
+from common import images
+opened, real = [], images.open_rgb
+images.open_rgb = lambda path: opened.append(path) or real(path)
+atexit.register(lambda: print(f"rank {os.environ['RANK']} decoded {len(opened)}", flush=True))
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+# load_datasets on every rank of a torchrun world: does each rank end with the very pixels one
+# process decoding alone gets?
+SAME_PIXELS_PROBE = r"""
+import argparse, os, sys, torch
+sys.path.insert(0, sys.argv[1])
+from common import data, distributed
+from common.launch import detect_launch
+from common.run import Run
+args = argparse.Namespace(dataset="tinyimagenet", data_dir=sys.argv[2], dummy=False,
+                          download=False, workers=0, train_limit=None, test_limit=None, seed=0,
+                          backend="gloo", timeout=60)
+launch = detect_launch()
+run = Run("probe", ".", torch.device("cpu"), False, launch.rank, launch.world_size)
+with distributed.process_group(args, run, launch) as comm:
+    train, test = data.load_datasets("tinyimagenet", args, comm, sys.argv[3] == "server")
+alone = data.read_tinyimagenet(sys.argv[2], 0)
+for name, ours, whole in (("train", train, alone[0]), ("test", test, alone[1])):
+    same = len(ours.images) == len(whole.images) and torch.equal(ours.images, whole.images)
+    print(f"rank {comm.rank} {name}: {len(ours.images)} images, "
+          f"{'identical' if same else 'different'}, labels "
+          f"{'identical' if torch.equal(ours.labels, whole.labels) else 'different'}", flush=True)
+"""
+
+
+def torchrun(tmp_path, probe, ranks, *args):
+    path = tmp_path / "probe.py"
+    path.write_text(probe)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(ranks), "--master-port", str(free_port()), str(path), ROOT,
+                           *map(str, args)], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def one_epoch(tiny_dir, out):
+    return ["--dataset", "tinyimagenet", "--data-dir", tiny_dir, "--out", out, "--epochs", "1",
+            "--batch-size", "8", "--device", "cpu", "--workers", "0"]
+
+
+# 4 classes of 6 training and 3 validation images (conftest's tiny_dir)
+TRAIN, TEST = 24, 12
+
+
+@pytest.mark.parametrize("script,ranks,decoded", [
+    # sync SGD: each rank half of both sets (before: every rank all 36 files)
+    ("sync_sgd_cifar100.py", 2, {0: (TRAIN + TEST) // 2, 1: (TRAIN + TEST) // 2}),
+    # async SGD: the server the test set alone, each worker half the training set
+    ("async_sgd_cifar100.py", 3, {0: TEST, 1: TRAIN // 2, 2: TRAIN // 2})])
+def test_the_ranks_decode_tinyimagenet_once_between_them(tiny_dir, tmp_path, script, ranks,
+                                                         decoded):
+    log = torchrun(tmp_path, COUNTING_PROBE, ranks, script, *one_epoch(tiny_dir, tmp_path / "o"))
+    for rank, count in decoded.items():
+        assert f"rank {rank} decoded {count}\n" in log, log
+    assert "final test accuracy" in log
+
+
+@pytest.mark.parametrize("role,ranks", [("sync", 2), ("server", 3)])
+def test_the_shared_decoding_gives_the_pixels_of_one_process(tiny_dir, tmp_path, role, ranks):
+    """The shares put together on every rank that uses the set, in the files' order."""
+    log = torchrun(tmp_path, SAME_PIXELS_PROBE, ranks, tiny_dir, role)
+    for rank in range(ranks):
+        for split, count in (("train", TRAIN), ("test", TEST)):
+            unused = role == "server" and (rank == 0) == (split == "train")
+            expected = "0 images, different" if unused else f"{count} images, identical"
+            assert f"rank {rank} {split}: {expected}, labels identical" in log, log
+
+
+def test_a_long_epoch_leaves_progress_lines_in_a_log_file(monkeypatch, capsys):
+    """Under mpirun, PBS or nohup there is no terminal for the bar: an epoch of many minutes
+    must still say how far it is, in lines."""
+    monkeypatch.setattr(training, "LINE_EVERY", 0.0, raising=False)  # a line at every check
+    run = Run("test", ".", torch.device("cpu"), False)
+    metrics = training.EpochMetrics(run, 2, 120, 0.1)
+    for _ in range(120):
+        metrics.update(torch.tensor(2.0), torch.eye(4)[torch.tensor([0, 1])], torch.tensor([0, 3]))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "epoch 3 step 50/120", "epoch 3 step 100/120", "epoch 3 step 120/120"], lines
+    assert "train loss 2.0000, train acc 50.00%" in lines[0] and lines[0].endswith(" images/s")
+
+
+def test_no_progress_line_before_its_time(capsys):
+    run = Run("test", ".", torch.device("cpu"), False)
+    metrics = training.EpochMetrics(run, 0, 50, 0.1)
+    for _ in range(50):
+        metrics.update(torch.tensor(2.0), torch.eye(4)[torch.tensor([0])], torch.tensor([0]))
+    assert capsys.readouterr().out == ""
+
+
+def test_tiny_to_cifar_writes_cifar100_pickles_of_real_photos(tmp_path):
+    """The first 100 wnids in sorted order, N training and M test images each, 2x2 area
+    averages, read back by the scripts' own CIFAR-100 reader."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from tiny_to_cifar import convert
+    from datagen import make_tinyimagenet
+    make_tinyimagenet(tmp_path / "d", n_classes=102, n_train_per_class=3, n_val_per_class=2,
+                      seed=1)
+    convert(tmp_path / "d", tmp_path / "c", per_class_train=2, per_class_test=2)
+    train, test = data.read_cifar100(tmp_path / "c", True), data.read_cifar100(tmp_path / "c",
+                                                                            False)
+    files, _, wnids = data.tinyimagenet_files(tmp_path / "d")
+    assert train.classes == sorted(wnids)[:100]
+    assert train.labels.tolist() == test.labels.tolist() == [k // 2 for k in range(200)]
+    first = next(path for path, label in files if label == 1)  # class 1's first image
+    with Image.open(first) as img:
+        pixels = torch.from_numpy(np.asarray(img.convert("RGB"), dtype=np.float64))
+    expected = pixels.reshape(32, 2, 32, 2, 3).mean((1, 3)).round().permute(2, 0, 1)
+    assert torch.equal(train.images[2].double(), expected)
+    with open(tmp_path / "c" / "cifar-100-python" / "train", "rb") as f:
+        assert pickle.load(f, encoding="bytes")[b"data"].shape == (200, 3072)
