@@ -248,6 +248,10 @@ class Server:
             self.epoch.busy += self.last_update - begin
             if self.version % self.per_epoch == 0:
                 self.end_epoch()  # evaluate; checkpoint.pt, metrics.csv, curve.png
+            elif self.last_update - self.last_line >= training.LINE_EVERY:  # for a log file
+                self.last_line = self.last_update
+                self.run.log(training.progress_line(self.version, self.per_epoch,
+                                                    self.epoch.totals, self.started))
         self.finish(finished, failure)
 
     def worker_lost(self, worker, error, active):
@@ -275,7 +279,7 @@ class Server:
     def new_epoch(self, so_far=None):
         """Start an epoch's bookkeeping, or go on with a resumed one's (`so_far`)."""
         self.epoch = EpochStats(**so_far) if so_far else EpochStats(self.lr(self.version))
-        self.started = self.last_update = time.perf_counter() - self.epoch.seconds
+        self.started = self.last_update = self.last_line = time.perf_counter() - self.epoch.seconds
 
     def average_statistics(self):
         """The model's BatchNorm statistics: the mean of the workers' latest (as sync SGD's)."""
@@ -343,8 +347,7 @@ def resume_positions(state, n_workers, updates_per_epoch):
 
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, SCRIPT, RECIPE, dataset="cifar100", arch="hw4")
-    flags.add_distributed_flags(parser)
-    parser.set_defaults(backend="gloo")
+    flags.add_distributed_flags(parser, backends=("gloo", "mpi"))  # moving CPU tensors
     return parser.parse_args(argv)
 
 
@@ -355,9 +358,6 @@ def main(argv=None):
     if n_workers < 1:
         raise UserError("async SGD needs at least 2 processes (rank 0 is the parameter server, "
                         "the others are workers); start it with e.g. mpirun -np 3")
-    if args.backend not in ("gloo", "mpi"):
-        raise UserError(f"--backend {args.backend}: the parameter server's messages are CPU "
-                        "tensors, which only gloo and mpi move; use --backend gloo")
     if args.batch_size < n_workers:
         raise UserError(f"--batch-size {args.batch_size} is smaller than the {n_workers} "
                         f"workers; use at least {n_workers} (it is the global batch)")

@@ -24,6 +24,12 @@ fit in a few minutes; its figures are a machine kind of their own (--merge keeps
 
 --async-flags "..." adds flags to the async runs; where they hold an option of the update rule
 (--pull, --ahead, ...: bench/async_rules.py), those runs are `bench/async_rules.py` instead.
+
+--real DIR trains on real photos instead: the folder DIR/tiny-imagenet-200 made CIFAR-100-shaped
+by bench/tiny_to_cifar.py (its first 100 classes, 32x32), of each class the first
+n_train / 100 training and n_test / 100 validation images in file order.  --straggler SECONDS
+adds a pair with rank 1 made slow (--straggler-delay: SECONDS of sleep after each of its steps):
+async with 2 workers against sync on 2 ranks under the same delay.
 """
 import csv
 import json
@@ -53,7 +59,13 @@ SMOKE_SIZES = dict(n_train=256, n_test=128, epochs=1, batch=32, lr=0.05, seeds=(
                    sync=(2,), workers=(2,))
 
 
-def make_yardstick(root, n_train, n_test):
+def make_yardstick(root, n_train, n_test, real=None):
+    """The data set in the CIFAR-100 layout in `root`: the yardstick, or real photos from the
+    TinyImageNet tree in `real`."""
+    if real:
+        from tiny_to_cifar import convert
+        convert(real, root, 100, n_train // 100, n_test // 100)
+        return root
     sys.path.insert(0, TESTS_DIR)
     from yardstick import make_cifar100_yardstick
     make_cifar100_yardstick(root, n_train, n_test, seed=0)
@@ -65,14 +77,14 @@ def threads(processes, cfg):
     return str(max(1, (os.cpu_count() or 1) // (processes * cfg.get("parallel", 1))))
 
 
-def command(kind, processes, data_dir, out, cfg, seed):
+def command(kind, processes, data_dir, out, cfg, seed, extra=()):
     device = cfg.get("device", "cpu")
     flags = ["--data-dir", data_dir, "--out", out, "--epochs", str(cfg["epochs"]),
              "--batch-size", str(cfg["batch"]), "--lr", str(cfg["lr"]), "--seed", str(seed),
              "--device", device, "--fresh"]
     if device == "cuda" and kind == "sync":
         flags += ["--backend", "gloo"]  # the ranks share the GPU; nccl wants one each
-    flags += cfg.get("flags", [])
+    flags += cfg.get("flags", []) + list(extra)
     if kind == "async":
         flags += cfg.get("async_flags", [])
     if kind == "one process":
@@ -91,7 +103,7 @@ def command(kind, processes, data_dir, out, cfg, seed):
             sys.executable, script, *flags]
 
 
-def train(kind, processes, data_dir, cfg, seed):
+def train(kind, processes, data_dir, cfg, seed, extra=()):
     """One run; its metrics.csv rows and wall time."""
     with tempfile.TemporaryDirectory(prefix="bench-convergence-") as out:
         env = dict(os.environ, PYTHONPATH=REPO_ROOT,
@@ -99,8 +111,9 @@ def train(kind, processes, data_dir, cfg, seed):
         if os.geteuid() == 0:  # Open MPI refuses root unless told
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         start = time.perf_counter()
-        proc = subprocess.run(command(kind, processes, data_dir, out, cfg, seed), cwd=REPO_ROOT,
-                              env=env, capture_output=True, text=True, timeout=4 * 3600)
+        proc = subprocess.run(command(kind, processes, data_dir, out, cfg, seed, extra),
+                              cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=4 * 3600)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(f"{kind} on {processes} processes, seed {seed}: exit "
@@ -129,13 +142,18 @@ def machine(flags=(), device="cpu"):
 
 
 def runs(cfg):
-    """(name, kind, processes, reference name) of every configuration."""
-    out = [("one process", "one process", 1, None)]
-    out += [(f"sync, {r} ranks", "sync", r, None) for r in cfg["sync"]]
+    """(name, kind, processes, reference name, flags of its own) of every configuration."""
+    out = [("one process", "one process", 1, None, ())]
+    out += [(f"sync, {r} ranks", "sync", r, None, ()) for r in cfg["sync"]]
     largest = f"sync, {max(cfg['sync'])} ranks"
     for w in cfg["workers"]:
         ref = "one process" if w == 1 else (f"sync, {w} ranks" if w in cfg["sync"] else largest)
-        out.append((f"async, {w} worker{'s' * (w > 1)}", "async", w + 1, ref))
+        out.append((f"async, {w} worker{'s' * (w > 1)}", "async", w + 1, ref, ()))
+    if cfg.get("straggler"):  # rank 1 (async: worker 1) slowed alike in both
+        slow = ("--straggler-delay", str(cfg["straggler"]))
+        out += [("sync, 2 ranks, rank 1 slow", "sync", 2, None, slow),
+                ("async, 2 workers, worker 1 slow", "async", 3, "sync, 2 ranks, rank 1 slow",
+                 slow)]
     return out
 
 
@@ -207,7 +225,7 @@ def report(cfg, stats, walls, names):
     one (mean over seeds), its spread, the final training loss, the gaps to sync in both with
     their standard errors, staleness.  The training loss's gap is the steadier measure of how
     well a rule optimises."""
-    references = {name: ref for name, _, _, ref in runs(cfg)}
+    references = {name: ref for name, _, _, ref, _ in runs(cfg)}
     header = ["run", *[f"epoch {e + 1}" for e in range(cfg["epochs"])], "final mean",
               "min", "max", "seeds", "train loss", "gap to sync", "train loss gap",
               "staleness mean", "max", "pulled %", "wall s"]
@@ -231,14 +249,15 @@ def report(cfg, stats, walls, names):
                                      if name in stats}
     over = (f"{asked} seed(s)" if ran == {asked} else
             f"the seeds each run finished (column 'seeds'), of {asked} asked")
-    log(table(f"Convergence on the yardstick: test accuracy (%) per epoch, mean over {over}",
+    data = "real photos (TinyImageNet as CIFAR-100)" if cfg.get("real") else "the yardstick"
+    log(table(f"Convergence on {data}: test accuracy (%) per epoch, mean over {over}",
               header, lines))
 
 
 def merge(paths):
     """One table from several --json files of the same yardstick and recipe (more seeds, run
     at different times): each run's seeds are pooled."""
-    same = ("n_train", "n_test", "epochs", "batch", "lr", "flags", "async_flags")
+    same = ("n_train", "n_test", "epochs", "batch", "lr", "flags", "async_flags", "real")
     cfg, results = None, {}
     for path in paths:
         try:
@@ -278,26 +297,29 @@ def merge(paths):
 
 
 def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=(), device="cpu",
-        launcher="mpirun", parallel=1, partial=None):
+        launcher="mpirun", parallel=1, partial=None, real=None, straggler=None):
     """The whole benchmark, or the runs called `names` (as in its table) over `seeds`, every
     run with `flags` added (another recipe) and the async runs with `async_flags` too (a
     rule's variant), for `epochs` if given; on `device`, started by `launcher`, `parallel`
-    runs at a time; the runs done so far kept in `partial` (default: partial_path())."""
+    runs at a time; the runs done so far kept in `partial` (default: partial_path()); on real
+    photos from the TinyImageNet tree in `real`; with the pair slowed by `straggler` s."""
     partial = partial or partial_path()
     cfg = dict(SMOKE_SIZES if SMOKE else (QUICK if quick else FULL))
     cfg["seeds"] = tuple(seeds or cfg["seeds"])
     cfg["epochs"] = epochs or cfg["epochs"]
     cfg["async_flags"] = list(async_flags)
     cfg["flags"] = list(flags)
-    cfg.update(device=device, launcher=launcher, parallel=parallel)
+    cfg.update(device=device, launcher=launcher, parallel=parallel, real=real,
+               straggler=straggler)
     cfg["machine"] = machine(cfg["flags"], device)
     chosen = [r for r in runs(cfg) if names is None or r[0] in names]
     if names is not None and len(chosen) != len(names):
         raise SystemExit(f"--runs: choose among {[r[0] for r in runs(cfg)]}")
     results, walls = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-yardstick-") as data_dir:
-        make_yardstick(data_dir, cfg["n_train"], cfg["n_test"])
-        log(f"[5] yardstick: {cfg['n_train']} training / {cfg['n_test']} test images, 100 "
+        make_yardstick(data_dir, cfg["n_train"], cfg["n_test"], real)
+        log(f"[5] {'real photos' if real else 'yardstick'}: {cfg['n_train']} training / "
+            f"{cfg['n_test']} test images, 100 "
             f"classes; {cfg['epochs']} epochs, global batch {cfg['batch']}, lr {cfg['lr']}, "
             f"seeds {list(cfg['seeds'])}; {cfg['machine']['precision']} on "
             f"{cfg['machine']['cpu']}, torch {cfg['machine']['torch']}" +
@@ -306,12 +328,12 @@ def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=(), de
             (f"; {cfg['machine']['gpu']}, {parallel} runs at a time" if device == "cuda" else ""))
         lock = threading.Lock()
 
-        def one(seed, name, kind, processes):
+        def one(seed, name, kind, processes, extra):
             if out_of_time(120):
                 log(f"[5] {name}, seed {seed}: skipped (--budget)")
                 return
             try:
-                rows, wall = train(kind, processes, data_dir, cfg, seed)
+                rows, wall = train(kind, processes, data_dir, cfg, seed, extra)
             except RuntimeError as exc:
                 if parallel == 1:
                     raise
@@ -325,8 +347,8 @@ def run(quick, names=None, seeds=None, async_flags=(), epochs=None, flags=(), de
                 save_partial(results, partial)
 
         # every configuration once per seed, in turn (so that a seed's runs end together)
-        jobs = [(seed, name, kind, processes) for seed in cfg["seeds"]
-                for name, kind, processes, _ in chosen]
+        jobs = [(seed, name, kind, processes, extra) for seed in cfg["seeds"]
+                for name, kind, processes, _, extra in chosen]
         with ThreadPoolExecutor(parallel) as pool:
             for done in [pool.submit(one, *job) for job in jobs]:
                 done.result()
@@ -361,6 +383,10 @@ if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the asyn
                    help="start no run after this many seconds less two minutes (0: no limit)")
     p.add_argument("--json", metavar="PATH", help="write the results here (the runs done so "
                    "far are kept in PATH's name with .partial.json until then)")
+    p.add_argument("--real", metavar="DIR", help="real photos: the folder holding "
+                   "tiny-imagenet-200/, made CIFAR-100-shaped (bench/tiny_to_cifar.py)")
+    p.add_argument("--straggler", type=float, metavar="SECONDS", help="add sync on 2 ranks and "
+                   "async with 2 workers, rank 1 sleeping SECONDS after each step")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="train nothing: one table from "
                    "these --json files (the same recipe; more seeds, run at different times)")
     a = p.parse_args()
@@ -370,7 +396,7 @@ if __name__ == "__main__":  # some runs alone, e.g. to try a variant of the asyn
         result = merge(a.merge)
     else:
         result = run(a.quick, a.runs, a.seeds, a.async_flags.split(), a.epochs, a.flags.split(),
-                     a.device, a.launcher, max(1, a.parallel), partial)
+                     a.device, a.launcher, max(1, a.parallel), partial, a.real, a.straggler)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)

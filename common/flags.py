@@ -123,9 +123,9 @@ def make_parser(description, script, recipe, *, dataset, arch):
     return p
 
 
-def add_distributed_flags(parser):
+def add_distributed_flags(parser, backends=("auto", "gloo", "nccl", "mpi")):
     g = parser.add_argument_group("distributed")
-    g.add_argument("--backend", choices=["auto", "gloo", "nccl", "mpi"], default="auto",
+    g.add_argument("--backend", choices=backends, default=backends[0],
                    help="torch.distributed backend (auto: nccl on CUDA, else gloo)")
     g.add_argument("--timeout", type=positive_float, default=600.0,
                    help="seconds a collective may wait for the other ranks before failing")

@@ -80,17 +80,11 @@ class EpochMetrics:
             if self.bar is not None:
                 self.bar.set_postfix(loss=f"{self.loss_sum.item() / self.count:.3f}",
                                      acc=f"{100.0 * self.correct.item() / self.count:.1f}%")
-            elif time.perf_counter() - self.last_line >= LINE_EVERY:
-                self.log_progress()
-
-    def log_progress(self):
-        """A line for a log file: the step, this rank's loss and accuracy so far, images/s."""
-        self.last_line, world = time.perf_counter(), self.run.world_size
-        self.run.log(f"epoch {self.epoch + 1} step {self.step}/{self.steps}: train loss "
-                     f"{self.loss_sum.item() / self.count:.4f}, train acc "
-                     f"{100.0 * self.correct.item() / self.count:.2f}%"
-                     f"{' (rank 0)' * (world > 1)}, "
-                     f"{self.count * world / (self.last_line - self.opened):.0f} images/s")
+            elif time.perf_counter() - self.last_line >= LINE_EVERY:  # rank 0's loss, acc
+                self.last_line = time.perf_counter()
+                self.run.log(progress_line(self.epoch * self.steps + self.step, self.steps,
+                                           (self.loss_sum.item(), self.correct.item(), self.count),
+                                           self.opened, self.run.world_size))
 
     def end(self, stopped=False):
         """The pass is over: all its batches, or (`stopped`) up to a SIGTERM/SIGINT."""
@@ -116,6 +110,17 @@ class EpochMetrics:
         """The pass's metrics.csv row, once it is evaluated; `rows` are the earlier epochs'."""
         return epoch_row(self.epoch + 1, self.totals(), test_loss, test_acc, self.lr,
                          time.perf_counter() - self.began, self.trained - self.began, rows)
+
+
+def progress_line(done, per_epoch, totals, since, world_size=1):
+    """Where a long epoch is, for a log file (no terminal shows the bar): `done` steps in all,
+    `totals` (loss sum, correct, samples) those of this epoch's taken since `since` by one of
+    `world_size` ranks alike."""
+    epoch = -(-done // per_epoch)  # the epoch of step `done` (its last step included)
+    loss_sum, correct, samples = totals
+    return (f"epoch {epoch} step {done - (epoch - 1) * per_epoch}/{per_epoch}: train loss "
+            f"{loss_sum / samples:.4f}, train acc {100.0 * correct / samples:.2f}%, "
+            f"{samples * world_size / (time.perf_counter() - since):.0f} images/s")
 
 
 def epoch_row(epoch, totals, test_loss, test_acc, lr, seconds, train_seconds, rows, **extra):
