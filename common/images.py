@@ -100,9 +100,9 @@ class DecodedImages(torch.utils.data.Dataset):
         return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
 
 
-def decode_images(paths, size, workers):
-    """Decode image files into one uint8 tensor, `workers` processes in parallel."""
-    out = torch.empty((len(paths), 3, size, size), dtype=torch.uint8)
+def decode_images(paths, size, workers, out=None):
+    """Decode image files into one uint8 tensor (`out`, if given), `workers` processes at once."""
+    out = torch.empty((len(paths), 3, size, size), dtype=torch.uint8) if out is None else out
     loader = torch.utils.data.DataLoader(DecodedImages(paths, size), batch_size=512,
                                          num_workers=workers if len(paths) > 512 else 0)
     start = 0
