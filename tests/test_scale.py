@@ -18,12 +18,13 @@ from helpers import ROOT, child_env
 
 TIMEOUT = 240
 
-# A main run under torchrun, with the image decoder counting the files it opens: each rank
-# prints how many it decoded when it exits.
+# A main run under torchrun, with the image decoder counting the files it opens (each rank
+# prints how many it decoded when it exits) and a progress line due at every check.
 COUNTING_PROBE = r"""
 import atexit, os, runpy, sys
 sys.path.insert(0, sys.argv[1])
-from common import images
+from common import images, training
+training.LINE_EVERY = 0.0
 opened, real = [], images.open_rgb
 images.open_rgb = lambda path: opened.append(path) or real(path)
 atexit.register(lambda: print(f"rank {os.environ['RANK']} decoded {len(opened)}", flush=True))
@@ -75,27 +76,47 @@ def one_epoch(tiny_dir, out):
 TRAIN, TEST = 24, 12
 
 
-@pytest.mark.parametrize("script,ranks,decoded", [
+RUNS = {"sync_sgd_cifar100.py": 2, "async_sgd_cifar100.py": 3}  # ranks: 2; a server + 2
+
+
+@pytest.fixture(scope="module")
+def counted(tiny_dir, tmp_path_factory):
+    """Each distributed main's log, run once for the tests below (torchrun starts are slow)."""
+    logs = {}
+    for script, ranks in RUNS.items():
+        tmp = tmp_path_factory.mktemp(script.split("_")[0])
+        logs[script] = torchrun(tmp, COUNTING_PROBE, ranks, script, *one_epoch(tiny_dir, tmp / "o"))
+    return logs
+
+
+@pytest.mark.parametrize("script,decoded", [
     # sync SGD: each rank half of both sets (before: every rank all 36 files)
-    ("sync_sgd_cifar100.py", 2, {0: (TRAIN + TEST) // 2, 1: (TRAIN + TEST) // 2}),
+    ("sync_sgd_cifar100.py", {0: (TRAIN + TEST) // 2, 1: (TRAIN + TEST) // 2}),
     # async SGD: the server the test set alone, each worker half the training set
-    ("async_sgd_cifar100.py", 3, {0: TEST, 1: TRAIN // 2, 2: TRAIN // 2})])
-def test_the_ranks_decode_tinyimagenet_once_between_them(tiny_dir, tmp_path, script, ranks,
-                                                         decoded):
-    log = torchrun(tmp_path, COUNTING_PROBE, ranks, script, *one_epoch(tiny_dir, tmp_path / "o"))
+    ("async_sgd_cifar100.py", {0: TEST, 1: TRAIN // 2, 2: TRAIN // 2})])
+def test_the_ranks_decode_tinyimagenet_once_between_them(counted, script, decoded):
     for rank, count in decoded.items():
-        assert f"rank {rank} decoded {count}\n" in log, log
-    assert "final test accuracy" in log
+        assert f"rank {rank} decoded {count}\n" in counted[script], counted[script]
+    assert "final test accuracy" in counted[script]
 
 
-@pytest.mark.parametrize("role,ranks", [("sync", 2), ("server", 3)])
-def test_the_shared_decoding_gives_the_pixels_of_one_process(tiny_dir, tmp_path, role, ranks):
-    """The shares put together on every rank that uses the set, in the files' order."""
-    log = torchrun(tmp_path, SAME_PIXELS_PROBE, ranks, tiny_dir, role)
-    for rank in range(ranks):
+@pytest.mark.parametrize("script,line", [
+    # 12 images a rank in batches of 4: a line at the last of its 3 steps
+    ("sync_sgd_cifar100.py", "epoch 1 step 3/3: train loss "),
+    # the server: 6 updates an epoch, a line after each but the epoch's last (it ends the epoch)
+    ("async_sgd_cifar100.py", "epoch 1 step 5/6: train loss ")])
+def test_distributed_runs_log_progress_lines_without_a_terminal(counted, script, line):
+    assert line in counted[script] and " images/s\n" in counted[script], counted[script]
+
+
+def test_the_shared_decoding_gives_the_pixels_of_one_process(tiny_dir, tmp_path):
+    """The shares put together on every rank that uses the set, in the files' order: async
+    SGD's workers, a group without rank 0 (sync SGD's shares are the same code over all)."""
+    log = torchrun(tmp_path, SAME_PIXELS_PROBE, 3, tiny_dir, "server")
+    for rank in range(3):
         for split, count in (("train", TRAIN), ("test", TEST)):
-            unused = role == "server" and (rank == 0) == (split == "train")
-            expected = "0 images, different" if unused else f"{count} images, identical"
+            expected = ("0 images, different" if (rank == 0) == (split == "train") else
+                        f"{count} images, identical")
             assert f"rank {rank} {split}: {expected}, labels identical" in log, log
 
 
