@@ -30,6 +30,7 @@ class ShardedLoader:
     every epoch.  Test: this rank's samples are ``rank::world_size``, unpadded, so that summing
     over ranks counts each test sample exactly once.  `finish` normalises a uint8 batch on the
     device (and resizes it to `image_size`, and makes it channels_last, if asked)."""
+    DROPOUT, SAMPLE = 1, 2  # what a seed is for, beside a batch's crops (`seed_for`)
 
     def __init__(self, size, batch_size, device, *, train, mean, std, rank=0, world_size=1,
                  seed=0, image_size=None, channels_last=False):
@@ -49,13 +50,17 @@ class ShardedLoader:
             self.sampler.set_epoch(epoch)
 
     def epoch_batches(self, epoch, start=0):
-        """Epoch `epoch`'s batches from batch `start` on (a resumed epoch skips the others): a
-        new shuffle, new crops and flips, and new dropout masks, from (seed, epoch, rank) only,
-        so that batch k is the same whether or not the epoch was interrupted."""
+        """Epoch `epoch`'s batches from batch `start` on (a resumed epoch skips the others): batch
+        k's samples, crops, flips and dropout masks from (seed, epoch, rank, k) alone."""
         self.set_epoch(epoch)
-        torch.manual_seed((self.seed * 1_000_003 + epoch * 7919 + self.rank * 104_729) % 2**63
-                          + start)
-        return self.batches(start)
+        for k, batch in enumerate(self.batches(start), start):
+            torch.manual_seed(self.seed_for(k, self.DROPOUT))  # the masks its forward pass draws
+            yield batch
+
+    def seed_for(self, *place):
+        """A seed from (--seed, epoch, rank) and `place` alone: (k,) for batch k's crops, (k,
+        DROPOUT) for its dropout masks, (i, SAMPLE) for the i-th sample of an image folder."""
+        return hash((self.seed, self.epoch, self.rank, *place)) % 2**63
 
     def indices(self):
         if self.sampler is not None:
@@ -63,9 +68,7 @@ class ShardedLoader:
         return list(range(self.rank, self.size, self.world_size))
 
     def __len__(self):
-        samples = self.sampler.num_samples if self.sampler is not None else \
-            len(range(self.rank, self.size, self.world_size))
-        return math.ceil(samples / self.batch_size)
+        return math.ceil(len(self.indices()) / self.batch_size)
 
     def __iter__(self):
         return self.batches()
@@ -92,15 +95,13 @@ class DeviceLoader(ShardedLoader):
         self.pad = data.images.shape[-1] // 8 if pad is None else pad
 
     def batches(self, start=0):
-        """Each batch's crops and flips come from a generator seeded by (seed, epoch, rank,
-        batch number)."""
         order = torch.tensor(self.indices(), dtype=torch.int64, device=self.device)
         gen = torch.Generator(self.device) if self.augment else None
         for k in range(start, len(self)):
             idx = order[k * self.batch_size:(k + 1) * self.batch_size]
             x = self.images[idx]
             if self.augment:
-                gen.manual_seed(hash((self.seed, self.epoch, self.rank, k)) % 2**63)
+                gen.manual_seed(self.seed_for(k))
                 x = random_crop_flip(x, self.pad, gen)
             yield self.finish(x), self.labels[idx]
 
@@ -130,15 +131,25 @@ class FolderLoader(ShardedLoader):
         self.dataset, self.workers = dataset, workers
 
     def batches(self, start=0):
-        indices = self.indices()[start * self.batch_size:]
-        generator = torch.Generator().manual_seed(
-            hash((self.seed, self.epoch, self.rank, start)) % 2**63)
-        loader = DataLoader(self.dataset, batch_size=self.batch_size, sampler=indices,
-                            num_workers=self.workers, pin_memory=self.device.type == "cuda",
-                            generator=generator)
+        """Each sample's crop and flip from (seed, epoch, rank, its place) alone (`SeededItems`)."""
+        keyed = [(self.seed_for(j, self.SAMPLE), i) for j, i in enumerate(self.indices())]
+        loader = DataLoader(SeededItems(self.dataset), batch_size=self.batch_size,
+                            sampler=keyed[start * self.batch_size:], num_workers=self.workers,
+                            pin_memory=self.device.type == "cuda")
         for images, labels in loader:
             images = images.to(self.device, non_blocking=True)
             yield self.finish(images), labels.to(self.device, non_blocking=True)
+
+
+class SeededItems(torch.utils.data.Dataset):
+    """Item (seed, i): `dataset[i]`, its random transforms drawn after torch.manual_seed(seed)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __getitem__(self, key):
+        torch.manual_seed(key[0])
+        return self.dataset[key[1]]
 
 
 def make_loader(data, args, run, *, train, batch_size=None, rank=0, world_size=1,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import resnet_cifar100
 from common import data, flags
-from common.loader import DeviceLoader
+from common.loader import DeviceLoader, FolderLoader
 from common import run as run_module
 from common.run import UserError
 from tests.datagen import (CIFAR100_FINE_LABEL_NAMES, DAMAGED_IMAGES, cifar_label_from_image,
@@ -495,6 +495,37 @@ def test_test_batches_not_augmented_and_normalised():
     for img, i in zip(xt, yt.tolist()):
         e = expected[i]
         assert torch.allclose(img, e, atol=1e-5) or torch.allclose(img, e.flip(-1), atol=1e-5)
+
+
+def _batches_and_masks(loader, epoch, start):
+    """Batch k's images and the dropout masks its forward pass would draw, for k >= `start`."""
+    return [(x, torch.nn.functional.dropout(torch.ones(64), 0.5))
+            for x, _ in loader.epoch_batches(epoch, start)]
+
+
+@pytest.mark.parametrize("kind", ["in-memory", "image-folder"])
+def test_a_resumed_epoch_draws_each_batchs_crops_flips_and_dropout_masks_again(kind,
+                                                                              imagefolder_dir):
+    """A run stopped after batch 2 resumes at batch 3 (`epoch_batches(epoch, start=3)`): batch
+    k must come with the same crops, flips and dropout masks as in the uninterrupted epoch, or
+    a resumed run is not the run it continues.  An image folder's samples are augmented by 2
+    decoding processes, whichever gets them; another rank draws other masks."""
+    if kind == "in-memory":
+        def loader(rank=0):
+            return DeviceLoader(_id_set(40, size=16), 4, "cpu", train=True, seed=3, rank=rank,
+                                world_size=2, **RAW)
+    else:
+        train_set, _ = data.read_imagefolder(str(imagefolder_dir), 32)
+        def loader(rank=0):
+            return FolderLoader(train_set, 1, "cpu", train=True, workers=2, seed=3, rank=rank,
+                                world_size=2, **RAW)
+    whole, resumed = _batches_and_masks(loader(), 1, 0), _batches_and_masks(loader(), 1, 3)
+    assert len(resumed) == len(whole) - 3 >= 2
+    for (x, mask), (x_again, mask_again) in zip(whole[3:], resumed):
+        assert torch.equal(x, x_again)
+        assert torch.equal(mask, mask_again)
+    other_rank = _batches_and_masks(loader(rank=1), 1, 3)
+    assert not torch.equal(resumed[0][1], other_rank[0][1])
 
 
 def test_image_size_resizes():
