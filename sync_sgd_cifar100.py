@@ -81,7 +81,7 @@ def train_one_epoch(model, criterion, optimizer, scheduler, train_loader, epoch,
         optimizer.step()  # and takes the same step: the replicas stay identical
         scheduler.step()
         metrics.update(loss, output, labels)
-        if comm.anyone_stopping(run, metrics.step):  # so that a rerun resumes here
+        if comm.anyone_stopping(run, metrics.step, metrics.steps):  # a rerun resumes here
             return metrics.end(stopped=True)
     return metrics.end()
 
@@ -121,9 +121,9 @@ def main(argv=None):
             for epoch in range(state.epoch, args.epochs):
                 metrics = train_one_epoch(model, criterion, optimizer, scheduler, train_loader,
                                           epoch, run, comm, state.take_partial(), delay)
+                comm.average_buffers(model)  # BatchNorm statistics: one model, the one saved
                 if metrics.stopped:
                     folder.stop(state, metrics)  # checkpoint this step, exit 128 + signal
-                comm.average_buffers(model)  # BatchNorm statistics: one model, the one saved
                 test_loss, test_acc = training.evaluate(model, test_loader, run, comm)
                 folder.end_epoch(state, metrics.row(test_loss, test_acc, state.rows))
         run.log(f"final test accuracy: {state.rows[-1]['test_acc']:.2f}%")

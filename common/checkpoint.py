@@ -131,6 +131,8 @@ def resume(path, args, run, model, optimizer, scheduler, comm=None):
                                 "--fresh (or another --out)")
         except UserError as exc:  # tell the other ranks too, rather than leave them waiting
             error = str(exc)
+    elif run.is_main and args.evaluate:  # (the other ranks' --out may be another disk)
+        error = f"--evaluate: no checkpoint at {path}; train first, or point --out at a run"
     if comm is not None:
         state, error = comm.broadcast_state((state, error))
     if error:

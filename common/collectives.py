@@ -69,17 +69,17 @@ class Comm:
     def __init__(self, rank, world_size, backend=None):
         self.rank, self.world_size, self.backend = rank, world_size, backend
 
-    def all_reduce_sum(self, tensor):
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM):
         if self.world_size > 1:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, op=op)
         return tensor
 
-    def anyone_stopping(self, run, step, every=10):
+    def anyone_stopping(self, run, step, steps, every=10):
         """Has any rank been asked to stop (SIGTERM/SIGINT)?  The ranks agree every `every`
-        steps (a tiny all_reduce), so that all stop after the same step."""
+        steps and at the last of `steps` (a tiny all_reduce): all stop after the same step."""
         if self.world_size == 1:
             return run.stop.signum is not None
-        if step % every:
+        if step % every and step < steps:
             return False
         signum = torch.tensor([run.stop.signum or 0], device=run.device)
         dist.all_reduce(signum, op=dist.ReduceOp.MAX)
@@ -142,12 +142,9 @@ class Comm:
 
     def average_buffers(self, model):
         """Average BatchNorm running statistics so that every rank evaluates one model."""
-        if self.world_size == 1:
-            return
         for buf in model.buffers():
             if buf.is_floating_point():
-                dist.all_reduce(buf.data)
-                buf.data /= self.world_size
+                self.all_reduce(buf.data).div_(self.world_size)
 
     def wait_for_all_ranks(self):
         """After a successful run: every rank done with its collectives before any tears gloo

@@ -80,7 +80,8 @@ class Inbox:
                 del self.due[late]
                 return late, None, TimeoutError(f"it sent nothing for --timeout "
                                                 f"{self.timeout:g} s")
-            del self.due[peer]
+            if self.due.pop(peer, None) is None:  # heard from after its --timeout: the run
+                continue  # stops already without it, its message is dropped
             return peer, None if error else self.messages[peer], error
 
 

@@ -13,7 +13,7 @@ import torch
 
 from . import checkpoint
 from .folders import claim
-from .run import Interrupted, resume_hint
+from .run import Interrupted, NonFiniteLoss, resume_hint
 
 COLUMNS = ["epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr",
            "epoch_seconds", "elapsed_seconds", "images_per_s"]
@@ -55,8 +55,11 @@ class RunFolder:
 
     def save(self, state, partial=None):
         """checkpoint.pt (with an interrupted epoch's `partial` progress), on the main rank."""
+        model, optimizer, scheduler = self.trained  # never NaN weights: every rank checks
+        if not all(t.isfinite().all() for t in checkpoint.unwrap(model).state_dict().values()):
+            raise NonFiniteLoss(f"the weights became NaN or inf; the last good checkpoint in "
+                                f"{self.run.out} is kept; lower --lr or try --no-amp")
         if self.run.is_main:
-            model, optimizer, scheduler = self.trained
             extra = dict(state.extra, world_size=self.run.world_size,
                          **({"partial": partial} if partial else {}))
             checkpoint.save(self.checkpoint, script=self.run.script, arch=self.args.arch,

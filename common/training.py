@@ -6,9 +6,10 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from .run import NonFiniteLoss, UserError
+from .run import NonFiniteLoss
 
 LOG_EVERY = 50  # steps between progress updates / non-finite checks (each costs a device sync)
 LINE_EVERY = 60.0  # seconds between progress lines where there is no terminal (a log file)
@@ -51,7 +52,7 @@ class EpochMetrics:
         self.step, self.before, self.lr = resumed["step"], resumed["totals"], resumed["lr"]
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
         self.correct = torch.zeros((), dtype=torch.int64, device=run.device)
-        self.first_bad = torch.full((), -1, dtype=torch.int64, device=run.device)
+        self.first_bad = torch.full((), steps + 1, dtype=torch.int64, device=run.device)  # none
         self.count, self.stopped, self.bar = 0, False, None
         if run.is_main and sys.stderr.isatty():  # a progress bar on a terminal, not in logs
             from tqdm import tqdm
@@ -68,12 +69,14 @@ class EpochMetrics:
         self.correct += (output.detach().argmax(1) == labels).sum()
         self.count += labels.numel()
         self.step += 1
-        self.first_bad = torch.where((self.first_bad < 0) & ~torch.isfinite(loss), self.step,
-                                     self.first_bad)
+        self.first_bad = torch.where(torch.isfinite(loss), self.first_bad,
+                                     self.first_bad.clamp(max=self.step))
         if self.bar is not None:
             self.bar.update()
         if self.step % LOG_EVERY == 0 or self.step == self.steps:
-            if self.first_bad.item() >= 0:
+            if self.comm is not None:  # every rank stops, not only the one that saw it
+                self.comm.all_reduce(self.first_bad, dist.ReduceOp.MIN)
+            if self.first_bad.item() <= self.steps:
                 raise NonFiniteLoss(f"loss became non-finite at epoch {self.epoch + 1}, step "
                                     f"{self.first_bad.item()}; the last good checkpoint in "
                                     f"{self.run.out} is kept; lower --lr or try --no-amp")
@@ -98,7 +101,7 @@ class EpochMetrics:
         mine = torch.tensor([self.loss_sum.item(), self.correct.item(), self.count],
                             dtype=torch.float64, device=self.run.device)
         if self.comm is not None:
-            mine = self.comm.all_reduce_sum(mine)
+            mine = self.comm.all_reduce(mine)
         return [a + b for a, b in zip(mine.tolist(), self.before)]
 
     def partial(self):
@@ -147,16 +150,13 @@ def evaluate(model, loader, run, comm=None):
         totals[1] += (output.argmax(1) == labels).sum()
         totals[2] += labels.numel()
     if comm is not None:
-        totals = comm.all_reduce_sum(totals)
+        totals = comm.all_reduce(totals)
     loss_sum, correct, count = totals.tolist()
     return loss_sum / max(count, 1), 100.0 * correct / max(count, 1)
 
 
 def evaluate_checkpoint(model, loader, run, folder, state, comm=None):
-    """--evaluate: test the checkpoint in --out (already loaded into `model`); write nothing."""
-    if not folder.has_checkpoint():
-        raise UserError(f"--evaluate: no checkpoint at {folder.checkpoint}; train first or point "
-                        "--out at the run to evaluate")
+    """--evaluate: test the checkpoint `folder.resume` loaded into `model`; write nothing."""
     loss, acc = evaluate(model, loader, run, comm)
     run.log(f"checkpoint after epoch {state.epoch}: test loss {loss:.4f}")
     run.log(f"final test accuracy: {acc:.2f}%")

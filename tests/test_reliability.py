@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -19,7 +20,8 @@ from torch import nn
 
 import async_sgd_cifar100
 import resnet_cifar100
-from common import checkpoint
+from common import checkpoint, inbox
+from common.messages import GRADIENT
 from common.network import free_port
 from datagen import make_cifar100, make_tinyimagenet
 from helpers import MPIRUN, ROOT, child_env
@@ -77,6 +79,38 @@ def one_error_line(result, *words):
     for word in words:
         assert word in lines[0], lines[0]
     return lines[0]
+
+
+# A `python -c` program that runs the script named by its first argument with faults put in by
+# environment variables, on the rank FAULT_RANK only (default 0): after step STOP_STEP of an
+# epoch, a SIGTERM to itself; after the update of the run's NAN_STEP-th step, a NaN weight; at
+# step BAD_LOSS_STEP, a NaN loss counted (this rank's alone: the update is not touched).
+WITH_FAULTS = r"""
+import os, runpy, signal, sys, torch
+from common import training
+env = lambda name: int(os.environ.get(name, 0))
+here = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", 0))) == env("FAULT_RANK")
+update, updates = training.EpochMetrics.update, [0]
+def update_with_faults(self, loss, output, labels):
+    bad = here and self.step + 1 == env("BAD_LOSS_STEP")
+    update(self, loss * float("nan") if bad else loss, output, labels)
+    if here and self.step == env("STOP_STEP"):
+        os.kill(os.getpid(), signal.SIGTERM)
+def nan_weight(optimizer, args, kwargs):
+    updates[0] += 1
+    if here and updates[0] == env("NAN_STEP"):
+        optimizer.param_groups[0]["params"][0].data.fill_(float("nan"))
+training.EpochMetrics.update = update_with_faults
+from torch.optim.optimizer import register_optimizer_step_post_hook
+register_optimizer_step_post_hook(nan_weight)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def with_faults(args):
+    """`args` (a script's command line, as `cmd` makes it) run under WITH_FAULTS."""
+    return [args[0], "-c", WITH_FAULTS, *args[1:]]
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +254,63 @@ def test_usr1_to_mpirun_stops_every_rank_after_its_step_and_the_run_resumes(cifa
     assert len(rows(out)) == 1
 
 
+def by_hand(args, ranks=2, cwds=None, **env):
+    """`args` started as the ranks of one world by the launcher variables alone (as a pod per
+    rank is; no mpirun to end them together), each in its folder of `cwds`: their (exit status,
+    stdout, stderr)."""
+    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                    WORLD_SIZE=str(ranks), **env)
+    procs = [subprocess.Popen(args, cwd=cwd, env=child_env(RANK=str(rank), **contract),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, cwd in enumerate(cwds or [ROOT] * ranks)]
+    try:
+        outputs = [p.communicate(timeout=TIMEOUT) for p in procs]
+        return [(p.returncode, *output) for p, output in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def test_a_run_stopped_inside_an_epoch_ends_as_the_uninterrupted_one_dropout_and_all(
+        finished_run, cifar_dir, tmp_path):
+    """A SIGTERM after step 3 of epoch 1, then the same command: the weights end exactly as an
+    uninterrupted run's, with dropout on (each batch's masks drawn again, not the next ones of
+    the process's stream)."""
+    out = tmp_path / "out"
+    stopped = run(with_faults(cmd("resnet_cifar100.py", cifar_dir, out)), STOP_STEP="3")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
+    assert state(out)["extra"]["partial"]["step"] == 3
+    resumed = run(cmd("resnet_cifar100.py", cifar_dir, out))
+    assert resumed.returncode == 0, resumed.stderr
+    assert resnet_cifar100.parse_args([]).dropout > 0  # on, as these runs have it
+    uninterrupted = state(finished_run)["model"]
+    for name, value in state(out)["model"].items():
+        assert torch.equal(value, uninterrupted[name]), name
+
+
+def test_sync_sgd_stopped_inside_an_epoch_ends_as_the_uninterrupted_run(cifar_dir, tmp_path):
+    """Sync SGD on 2 ranks, a SIGTERM to rank 1 after step 3 of 12 (the ranks agree at step
+    10), then the same command: the weights end exactly as an uninterrupted run's, dropout on,
+    each rank with its masks; the BatchNorm statistics too, to rounding, as the stop saves their
+    mean over the ranks (the mean at the epoch's end is then the same), not rank 0's."""
+    def train(out, **faults):
+        for code, _, stderr in by_hand(with_faults(cmd(
+                "sync_sgd_cifar100.py", cifar_dir, out, "--batch-size", "8", "--epochs", "1")),
+                FAULT_RANK="1", **faults):
+            assert code == (128 + signal.SIGTERM if faults else 0), stderr
+
+    train(tmp_path / "whole")
+    train(tmp_path / "out", STOP_STEP="3")
+    assert state(tmp_path / "out")["extra"]["partial"]["step"] == 10
+    train(tmp_path / "out")
+    resumed, whole = state(tmp_path / "out")["model"], state(tmp_path / "whole")["model"]
+    for name, value in whole.items():
+        if "running" in name:
+            torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(resumed[name], value), name
+
+
 # ------------------------------------------------------------------- NaN loss
 
 def test_non_finite_loss_stops_naming_epoch_and_step_and_keeps_the_checkpoint(finished_run,
@@ -236,7 +327,59 @@ def test_non_finite_loss_stops_naming_epoch_and_step_and_keeps_the_checkpoint(fi
     assert len(rows(out)) == 2
 
 
+@pytest.mark.parametrize("faults", [dict(NAN_STEP="2", STOP_STEP="3"), dict(NAN_STEP="6")],
+                         ids=["sigterm-before-the-loss-check", "at-an-epochs-last-step"])
+def test_nan_weights_are_never_saved(finished_run, tmp_path, cifar_dir, faults):
+    """The weights turn NaN, and before the loss check (every 50 steps and at the epoch's end)
+    can see it a SIGTERM comes; or an epoch's last update makes them NaN, after its loss was
+    counted.  Either way the last good checkpoint stays, and the run stops with one line and
+    the permanent 3 (a NaN checkpoint, exit 143 or 0 before)."""
+    out = copy_of(finished_run, tmp_path)
+    before = state(out)["model"]
+    result = run(with_faults(cmd("resnet_cifar100.py", cifar_dir, out, "--fresh")), **faults)
+    assert result.returncode == 3, result.stderr
+    one_error_line(result, "NaN or inf", f"the last good checkpoint in {out} is kept")
+    after = state(out)["model"]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 # ------------------------------------------------------------ distributed faults
+
+@pytest.mark.parametrize("fault, code, words", [
+    (dict(BAD_LOSS_STEP="2"), 3, "non-finite at epoch 1, step 2"),
+    (dict(STOP_STEP="3"), 128 + signal.SIGTERM, "stopped by SIGTERM during epoch 1")],
+    ids=["nan-loss", "sigterm"])
+def test_sync_ranks_stop_together_on_what_one_of_them_saw(cifar_dir, tmp_path, fault, code,
+                                                          words):
+    """Rank 1 alone sees a NaN loss, or is sent SIGTERM, in an epoch of 6 steps (fewer than the
+    10 between the ranks' agreements on a stop).  Both ranks stop at the epoch's last step with
+    the same status and line, under a launcher that does not end the others (before, rank 0
+    exited with 200 once rank 1 had left with 3; the SIGTERM was never honoured)."""
+    out = tmp_path / "out"
+    args = with_faults(cmd("sync_sgd_cifar100.py", cifar_dir, out, "--timeout", "60"))
+    for status, _, stderr in by_hand(args, FAULT_RANK="1", **fault):
+        assert status == code, stderr
+        one_error_line(Finished(stderr), words)
+    if code != 3:
+        assert state(out)["extra"]["partial"]["step"] == 6
+
+
+def test_sync_evaluate_with_an_out_on_each_hosts_own_disk(cifar_dir, tmp_path):
+    """--evaluate on 2 hosts without a shared disk: --out holds the checkpoint on rank 0's host
+    only, which rank 0 reads and broadcasts.  Rank 1 has none and must not stop for that (it
+    did, with "no checkpoint", and left rank 0 to fail with 200)."""
+    hosts = [tmp_path / "host0", tmp_path / "host1"]
+    for host in hosts:
+        host.mkdir()
+    args = cmd(os.path.join(ROOT, "sync_sgd_cifar100.py"), cifar_dir, "out", "--epochs", "1",
+               "--timeout", "60")
+    trained = subprocess.run(args, cwd=hosts[0], env=child_env(), capture_output=True,
+                             text=True, timeout=TIMEOUT)
+    assert trained.returncode == 0, trained.stderr
+    (rank0, stdout, _), (rank1, _, stderr) = by_hand(args + ["--evaluate"], cwds=hosts)
+    assert rank0 == rank1 == 0, stderr
+    assert "final test accuracy" in stdout and not os.path.exists(hosts[1] / "out")
+
 
 def test_sync_sgd_rank_death_ends_the_others_with_a_clear_error(cifar_dir, tmp_path):
     out = tmp_path / "sync"
@@ -493,6 +636,35 @@ def test_async_server_stopping_keeps_its_reason_and_checkpoint_when_a_worker_is_
     assert stopped.value.exit_code == 128 + signal.SIGTERM
     assert replies[2] == 128 + signal.SIGTERM  # the live worker is told to stop, with why
     assert len(saved) == 1 and saved[0]["updates"] == 0  # the checkpoint is written
+
+
+def test_a_worker_heard_from_just_after_its_timeout_is_dropped_not_a_crash(monkeypatch):
+    """Worker 1 stalls (or its link is cut) and comes back just after --timeout: the server has
+    named it lost and waits for worker 2 to hear the stop, when worker 1's late gradient lands.
+    The Inbox drops it and hands on worker 2's, so that the server stops as for any lost
+    worker (one line, 200, the model saved); it raised KeyError (a traceback, 1, nothing
+    saved)."""
+    landed = {1: threading.Event(), 2: threading.Event()}
+
+    class Receive:  # gloo's irecv: completes when the test lets the peer's message land
+        def __init__(self, tensor, src):
+            self.tensor, self.src = tensor, src
+
+        def wait(self, timeout=None):
+            landed[self.src].wait()
+            landed[self.src] = threading.Event()  # its next message never comes
+            self.tensor[0] = GRADIENT
+
+    monkeypatch.setattr(inbox.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(inbox.dist, "irecv", Receive)
+    workers = inbox.Inbox([1, 2], 4, timeout=0.2, heartbeat=SimpleNamespace(add=print))
+    peer, message, error = workers.next()  # neither sends: worker 1, expected first, is late
+    assert peer == 1 and message is None and isinstance(error, TimeoutError), error
+    for peer in (1, 2):  # its late gradient lands first, then worker 2's
+        landed[peer].set()
+        wait_for(lambda: workers.arrived.qsize() == peer, 10, f"worker {peer}'s message")
+    peer, message, error = workers.next()
+    assert peer == 2 and error is None and message[0] == GRADIENT
 
 
 class Finished:
