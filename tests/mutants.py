@@ -53,6 +53,12 @@ RESUME = "tests/test_scripts.py::test_resume_continues_where_it_stopped"
 ASYNC_RESUME = ("tests/test_reliability.py::test_async_sgd_stopped_inside_an_epoch_trains_each_"
                 "batch_of_it_once")
 RULE = BUGS + "test_async_server_applies_its_rule_to_stale_gradients"
+RESUMED_BATCHES = ("tests/test_data.py::test_a_resumed_epoch_draws_each_batchs_crops_flips_and_"
+                   "dropout_masks_again")
+STOPPED_INSIDE_AN_EPOCH = ("tests/test_reliability.py::test_a_run_stopped_inside_an_epoch_ends_"
+                           "as_the_uninterrupted_one_dropout_and_all")
+SYNC_STOPPED_INSIDE_AN_EPOCH = ("tests/test_reliability.py::test_sync_sgd_stopped_inside_an_epoch_"
+                                "ends_as_the_uninterrupted_run")
 
 MUTANTS = [
     # ------------------------------------------------------------------------- evaluation
@@ -106,12 +112,26 @@ MUTANTS = [
            "self.augment = False if augment is None else augment",
            ("tests/test_data.py::test_augmentation_is_random_zero_padded_crop_and_flip",),
            "no random crop or flip on the training images"),
-    Mutant("dropout-not-reseeded-per-epoch", "common/loader.py",
-           "        torch.manual_seed((self.seed * 1_000_003 + epoch * 7919 + self.rank * 104_729)"
-           " % 2**63\n                          + start)\n", "",
-           (RESUME,),
+    Mutant("dropout-not-reseeded-per-batch", "common/loader.py",
+           "            torch.manual_seed(self.seed_for(k, self.DROPOUT))  # the masks its forward "
+           "pass draws\n", "",
+           (RESUME, RESUMED_BATCHES + "[in-memory]"),
            "dropout masks continue the process's stream: a resumed run is not the "
            "uninterrupted one"),
+    Mutant("dropout-seeded-once-per-epoch", "common/loader.py",
+           "        for k, batch in enumerate(self.batches(start), start):\n"
+           "            torch.manual_seed(self.seed_for(k, self.DROPOUT))  # the masks its forward "
+           "pass draws\n            yield batch\n",
+           "        torch.manual_seed(self.seed_for(start, self.DROPOUT))\n"
+           "        yield from self.batches(start)\n",
+           (RESUMED_BATCHES + "[in-memory]", STOPPED_INSIDE_AN_EPOCH),
+           "dropout seeded once per epoch, at the batch it starts from: a run stopped inside an "
+           "epoch resumes with other masks for every later batch"),
+    Mutant("image-folder-augmented-from-each-process-stream", "common/loader.py",
+           "        torch.manual_seed(key[0])\n", "",
+           (RESUMED_BATCHES + "[image-folder]",),
+           "an image folder's crops and flips come from the stream of whichever decoding "
+           "process gets the sample: a resumed epoch draws others"),
     # ------------------------------------------------------------------ data and labels
     Mutant("cifar-coarse-labels", "common/cifar.py",
            'batch.get(b"fine_labels")', 'batch.get(b"coarse_labels")',
@@ -371,6 +391,49 @@ MUTANTS = [
            ("tests/test_reliability.py", "-k", "stopping_keeps"),
            "a stop reply to a worker that has died fails when waited for: the server ends with "
            "a traceback before it writes the checkpoint"),
+    Mutant("inbox-late-message-crashes-the-server", "common/inbox.py",
+           "            if self.due.pop(peer, None) is None:",
+           "            if self.due.pop(peer) is None:",
+           ("tests/test_reliability.py", "-k", "heard_from_just_after"),
+           "a worker heard from just after its --timeout, while the server stops: KeyError, a "
+           "traceback and exit 1, no checkpoint"),
+    Mutant("checkpoint-of-nan-weights", "common/outputs.py",
+           "        if not all(t.isfinite().all() for t in checkpoint.unwrap(model).state_dict()"
+           ".values()):\n",
+           "        if False:\n",
+           ("tests/test_reliability.py", "-k", "nan_weights_are_never_saved"),
+           "a stop, or an epoch's last update, between a NaN and the loss check writes the NaN "
+           "weights over the last good checkpoint"),
+    Mutant("sync-stop-agreed-every-10-steps-only", "common/collectives.py",
+           "        if step % every and step < steps:\n", "        if step % every:\n",
+           ("tests/test_reliability.py", "-k", "stop_together and sigterm"),
+           "the ranks agree on a stop every 10 steps of an epoch only: in a shorter epoch a "
+           "SIGTERM is never honoured"),
+    Mutant("sync-nan-loss-seen-by-one-rank-alone", "common/training.py",
+           "            if self.comm is not None:  # every rank stops, not only the one that saw "
+           "it\n                self.comm.all_reduce(self.first_bad, dist.ReduceOp.MIN)\n", "",
+           ("tests/test_reliability.py", "-k", "stop_together and nan"),
+           "a NaN loss on one rank stops that rank alone: without mpirun the others exit with "
+           "the retryable 200, not 3"),
+    Mutant("sync-stop-saves-rank-0s-batchnorm", "sync_sgd_cifar100.py",
+           "                comm.average_buffers(model)  # BatchNorm statistics: one model, the "
+           "one saved\n                if metrics.stopped:\n"
+           "                    folder.stop(state, metrics)  # checkpoint this step, exit 128 + "
+           "signal\n",
+           "                if metrics.stopped:\n"
+           "                    folder.stop(state, metrics)  # checkpoint this step, exit 128 + "
+           "signal\n                comm.average_buffers(model)  # BatchNorm statistics: one "
+           "model, the one saved\n",
+           (SYNC_STOPPED_INSIDE_AN_EPOCH,),
+           "a sync SGD stop checkpoints rank 0's BatchNorm statistics, not their mean over "
+           "the ranks"),
+    Mutant("evaluate-needs-the-checkpoint-on-every-rank", "common/checkpoint.py",
+           "    if error:\n        raise UserError(error)\n",
+           "    if error or (args.evaluate and not os.path.exists(path)):\n"
+           "        raise UserError(error or f\"--evaluate: no checkpoint at {path}\")\n",
+           ("tests/test_reliability.py", "-k", "each_hosts_own_disk"),
+           "sync --evaluate stops on a rank whose --out (another host's disk) has no "
+           "checkpoint, though rank 0 reads it for all"),
     Mutant("broadcast-memory-as-it-lies", "common/collectives.py",
            "data = tensor.data if tensor.is_contiguous() else tensor.data.contiguous()",
            "data = tensor.data",

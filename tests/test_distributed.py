@@ -69,19 +69,35 @@ class NoBatchNormNet(nn.Module):
         return self.fc(x.amax(dim=(2, 3)))
 
 
+class BatchNormNet(NoBatchNormNet):
+    """NoBatchNormNet with BatchNorm after each convolution, as the HW4 ResNet has."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn1, self.bn2 = nn.BatchNorm2d(8), nn.BatchNorm2d(16)
+
+    def forward(self, x):
+        x = torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+        return self.fc(x.amax(dim=(2, 3)))
+
+
 def make_set(n=48):
     g = torch.Generator().manual_seed(3)
     return data.ImageSet(torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8, generator=g),
                          torch.randint(0, 10, (n,), generator=g), [str(i) for i in range(10)])
 
 
-def train_steps(model, loader, epochs, step):
+def train_steps(model, loader, epochs, step, sub_batches=1):
+    """SGD over `loader`, each batch's gradient computed as `sub_batches` ranks would: each on
+    its samples (r, r + n, ...), normalised on their own, the gradients averaged."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         for x, y in loader:
             model.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(model(x), y).backward()
+            for r in range(sub_batches):
+                loss = nn.functional.cross_entropy(model(x[r::sub_batches]), y[r::sub_batches])
+                (loss / sub_batches).backward()
             step()
             opt.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -108,15 +124,17 @@ def _join_gloo(rank, world, port):
 def _sync_worker(rank, world, port, divide_by, result_path):
     from sync_sgd_cifar100 import average_gradients
     with _join_gloo(rank, world, port):
-        torch.manual_seed(rank)  # different seeds: the broadcast must make them equal
-        model = NoBatchNormNet()
-        Comm(rank, world).broadcast_parameters(model)
+        params = {}
+        for net in (NoBatchNormNet, BatchNormNet):
+            torch.manual_seed(rank)  # different seeds: the broadcast must make them equal
+            model = net()
+            Comm(rank, world).broadcast_parameters(model)
 
-        def step():  # the script's exchange; divided by `divide_by` in all (1: the sum)
-            average_gradients(model, world)
-            for p in model.parameters():
-                p.grad *= world / divide_by
-        params = train_steps(model, loader_for(16, rank, world), 2, step)
+            def step():  # the script's exchange; divided by `divide_by` in all (1: the sum)
+                average_gradients(model, world)
+                for p in model.parameters():
+                    p.grad *= world / divide_by
+            params[net.__name__] = train_steps(model, loader_for(16, rank, world), 2, step)
         if rank == 0:
             torch.save(params, result_path)
 
@@ -128,16 +146,35 @@ def sync_params(tmp_path, divide_by):
     return torch.load(result)
 
 
-def test_sync_sgd_on_two_ranks_equals_one_process_with_the_global_batch(tmp_path):
-    torch.manual_seed(0)
-    single = NoBatchNormNet()  # rank 0's initialisation, which the broadcast spreads
-    expected = train_steps(single, loader_for(16, 0, 1), 2, lambda: None)
-    averaged = sync_params(tmp_path, divide_by=2)
-    assert torch.allclose(averaged, expected, rtol=1e-4, atol=1e-5), \
-        (averaged - expected).abs().max()
+@pytest.fixture(scope="module")
+def averaged(tmp_path_factory):
+    """Each net's parameters after sync SGD on 2 ranks, with the script's gradient averaging."""
+    return sync_params(tmp_path_factory.mktemp("sync"), divide_by=2)
+
+
+def one_process(net, sub_batches=1):
+    torch.manual_seed(0)  # rank 0's initialisation, which the broadcast spreads
+    return train_steps(net(), loader_for(16, 0, 1), 2, lambda: None, sub_batches)
+
+
+def test_sync_sgd_on_two_ranks_equals_one_process_with_the_global_batch(averaged, tmp_path):
+    """A network without BatchNorm or dropout: the update of one process on the global batch."""
+    expected = one_process(NoBatchNormNet)
+    assert torch.allclose(averaged["NoBatchNormNet"], expected, rtol=1e-4, atol=1e-5), \
+        (averaged["NoBatchNormNet"] - expected).abs().max()
     # The same run with summed gradients must be told apart: the test can fail.
-    summed = sync_params(tmp_path, divide_by=1)
+    summed = sync_params(tmp_path, divide_by=1)["NoBatchNormNet"]
     assert not torch.allclose(summed, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_sync_sgd_with_batchnorm_is_one_process_normalising_each_ranks_sub_batch(averaged):
+    """With BatchNorm, each rank normalises its 8 samples with their own statistics (as DDP
+    without SyncBatchNorm): the update is one process's computing each global batch of 16 as
+    the ranks' two sub-batches, not one process's on the batch of 16 -- what the README says."""
+    sync = averaged["BatchNormNet"]
+    sub_batches = one_process(BatchNormNet, sub_batches=2)
+    assert torch.allclose(sync, sub_batches, rtol=1e-4, atol=1e-5), (sync - sub_batches).abs().max()
+    assert not torch.allclose(sync, one_process(BatchNormNet), rtol=1e-4, atol=1e-5)
 
 
 def _broadcast_worker(rank, world, port, result_path, channels_last):
