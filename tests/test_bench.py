@@ -145,9 +145,9 @@ def test_convergence_calls_side_by_side_keep_their_partial_runs_apart(monkeypatc
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import convergence
     monkeypatch.setattr(convergence, "REPO_ROOT", str(tmp_path / "repo"))
-    monkeypatch.setattr(convergence, "make_yardstick", lambda root, n_train, n_test: root)
+    monkeypatch.setattr(convergence, "make_yardstick", lambda root, n_train, n_test, real=None: root)
 
-    def train(kind, processes, data_dir, cfg, seed):
+    def train(kind, processes, data_dir, cfg, seed, extra=()):
         acc = 40.0 + seed + (10.0 if cfg["async_flags"] else 0.0)
         return [{"epoch": 1.0, "test_acc": acc, "train_loss": 2.0, "mean_staleness": 1.0,
                  "max_staleness": 2.0}], 1.0
@@ -172,10 +172,10 @@ def test_convergence_in_parallel_keeps_every_run_that_ended(monkeypatch, tmp_pat
     """With --parallel K a failed run is left out and the others are kept, by seed."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     import convergence
-    monkeypatch.setattr(convergence, "make_yardstick", lambda root, n_train, n_test: root)
+    monkeypatch.setattr(convergence, "make_yardstick", lambda root, n_train, n_test, real=None: root)
     monkeypatch.setattr(convergence, "save_partial", lambda results, path: None)
 
-    def train(kind, processes, data_dir, cfg, seed):
+    def train(kind, processes, data_dir, cfg, seed, extra=()):
         if kind == "async" and seed == 1:
             raise RuntimeError("async on 3 processes, seed 1: exit 1")
         return [{"epoch": 1.0, "test_acc": 40.0 + seed + (kind == "async"), "train_loss": 2.0,
@@ -186,6 +186,21 @@ def test_convergence_in_parallel_keeps_every_run_that_ended(monkeypatch, tmp_pat
                              epochs=1, parallel=2)
     assert result["summary"]["sync, 2 ranks"]["finals"] == [40.0, 41.0, 42.0]
     assert result["summary"]["async, 2 workers"]["finals"] == [41.0, 43.0]
+
+
+def test_convergence_straggler_pair_slows_rank_1_in_both(monkeypatch):
+    """--straggler S: sync on 2 ranks and async with 2 workers, rank 1 of each sleeping S
+    seconds after each step, the async run compared with that sync run."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import convergence
+    cfg = dict(convergence.FULL, straggler=0.25)
+    runs = {run[0]: run for run in convergence.runs(cfg)}
+    pair = runs["sync, 2 ranks, rank 1 slow"], runs["async, 2 workers, worker 1 slow"]
+    assert pair[1][3] == "sync, 2 ranks, rank 1 slow"
+    for name, kind, processes, _, extra in pair:
+        command = convergence.command(kind, processes, "/d", "/o", cfg, 0, extra)
+        assert command[command.index("--straggler-delay") + 1] == "0.25", command
+    assert not any("slow" in run[0] for run in convergence.runs(convergence.FULL))
 
 
 def test_convergence_table_counts_the_seeds_that_ran(monkeypatch, capsys):
