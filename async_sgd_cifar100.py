@@ -377,7 +377,7 @@ def main(argv=None):
         comm.broadcast_parameters(model)  # every worker starts from the server's weights
         if comm.rank == 0 and args.evaluate:  # the server alone evaluates
             training.evaluate_checkpoint(model, make_loader(test_set, args, run, train=False),
-                                         run, folder, state)
+                                         run, state)
         elif comm.rank == 0:
             run.log(training.describe(run, args, model, train_set, test_set,
                                       f"1 server + {n_workers} worker{'s' * (n_workers > 1)} x "

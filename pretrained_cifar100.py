@@ -81,7 +81,7 @@ def main(argv=None):
         run.log(f"loaded {source}; new {len(train_set.classes)}-way head")
     state = folder.resume(model, optimizer, scheduler)  # the epochs a checkpoint in --out holds
     if args.evaluate:
-        return training.evaluate_checkpoint(model, test_loader, run, folder, state)
+        return training.evaluate_checkpoint(model, test_loader, run, state)
     run.log(training.describe(run, args, model, train_set, test_set, f"batch {args.batch_size}, "
                               f"images at {args.image_size}x{args.image_size}"))
     folder.write_config(state)

@@ -63,7 +63,7 @@ def main(argv=None):
 
     state = folder.resume(model, optimizer, scheduler)  # the epochs a checkpoint in --out holds
     if args.evaluate:
-        return training.evaluate_checkpoint(model, test_loader, run, folder, state)
+        return training.evaluate_checkpoint(model, test_loader, run, state)
     run.log(training.describe(run, args, model, train_set, test_set, f"batch {args.batch_size}"))
     folder.write_config(state)
 

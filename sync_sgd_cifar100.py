@@ -109,8 +109,9 @@ def main(argv=None):
         scheduler = training.warmup_cosine(optimizer, args, len(train_loader))
 
         state = folder.resume(model, optimizer, scheduler, comm)  # rank 0's, on every rank
-        if args.evaluate:
-            return training.evaluate_checkpoint(model, test_loader, run, folder, state, comm)
+        if args.evaluate:  # (a rank lost meanwhile: one line, exit 200)
+            with lost_peer(run, state):
+                return training.evaluate_checkpoint(model, test_loader, run, state, comm)
         run.log(training.describe(run, args, model, train_set, test_set,
                                   f"{world} ranks x batch {args.batch_size // world} = global "
                                   f"batch {args.batch_size // world * world}"))

@@ -110,7 +110,7 @@ def read_cifar100(data_dir, train):
     return ImageSet(*read_cifar100_pickles(data_dir, train))
 
 
-ALONE, SKIP = "alone", "skip"  # decode every file of a set yourself; decode none (never read)
+ALONE, SKIP = None, "skip"  # decode every file of a set yourself; decode none (never read)
 
 
 def decoding_plan(comm, parameter_server=False):
@@ -134,24 +134,9 @@ def read_tinyimagenet(data_dir, workers=4, train_limit=None, test_limit=None, se
     for files, n, who in ((train, train_limit, plan[0]), (val, test_limit, plan[1])):
         paths, labels = zip(*pick(files, [label for _, label in files], n, seed))
         images = (torch.empty((0, 3, 64, 64), dtype=torch.uint8) if who == SKIP else
-                  decode_images(paths, 64, workers) if who == ALONE else
-                  decode_shared(paths, 64, workers, who))
+                  decode_images(paths, 64, workers, who))
         sets.append(ImageSet(images, torch.tensor(labels), classes))
     return tuple(sets)
-
-
-def decode_shared(paths, size, workers, group):
-    """Every rank of `group` decodes its 1/n of the files into its slice of the set, then
-    broadcasts that slice to the others: the work of one decoding, not n (TinyImageNet on 2
-    ranks of 2 cores: ready in 18 s, not 36), and no copy besides the set itself."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    images = torch.empty((len(paths), 3, size, size), dtype=torch.uint8)
-    bounds = [len(paths) * r // n for r in range(n + 1)]
-    shares = [images[bounds[r]:bounds[r + 1]] for r in range(n)]
-    decode_images(paths[bounds[rank]:bounds[rank + 1]], size, workers, out=shares[rank])
-    for r, share in enumerate(shares):
-        dist.broadcast(share, src=dist.get_global_rank(group, r), group=group)
-    return images
 
 
 def dummy_set(n, spec, size, seed, class_seed):

@@ -155,8 +155,8 @@ def evaluate(model, loader, run, comm=None):
     return loss_sum / max(count, 1), 100.0 * correct / max(count, 1)
 
 
-def evaluate_checkpoint(model, loader, run, folder, state, comm=None):
-    """--evaluate: test the checkpoint `folder.resume` loaded into `model`; write nothing."""
+def evaluate_checkpoint(model, loader, run, state, comm=None):
+    """--evaluate: test the checkpoint `RunFolder.resume` loaded into `model`; write nothing."""
     loss, acc = evaluate(model, loader, run, comm)
     run.log(f"checkpoint after epoch {state.epoch}: test loss {loss:.4f}")
     run.log(f"final test accuracy: {acc:.2f}%")

@@ -14,6 +14,7 @@ from PIL import Image
 from common import data, training
 from common.network import free_port
 from common.run import Run
+from datagen import make_tinyimagenet, write_damaged_image
 from helpers import ROOT, child_env
 
 TIMEOUT = 240
@@ -120,6 +121,24 @@ def test_the_shared_decoding_gives_the_pixels_of_one_process(tiny_dir, tmp_path)
             assert f"rank {rank} {split}: {expected}, labels identical" in log, log
 
 
+def test_a_rank_that_cannot_decode_its_share_ends_the_others_in_one_line(tmp_path):
+    """Ranks started apart (pods, hosts): the one whose share holds a damaged image says so
+    (exit 2); the other, waiting for that share, ends with one line (exit 200), no traceback."""
+    make_tinyimagenet(tmp_path / "d", n_classes=4, n_train_per_class=6, n_val_per_class=3)
+    train, _, _ = data.tinyimagenet_files(tmp_path / "d")
+    write_damaged_image(train[-1][0], "garbage")  # the last file: rank 1's share
+    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    command = [sys.executable, "sync_sgd_cifar100.py",
+               *one_epoch(tmp_path / "d", tmp_path / "o"), "--timeout", "60"]
+    ranks = [subprocess.Popen(command, cwd=ROOT, env=child_env(RANK=str(rank), **contract),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    (_, err0), (_, err1) = (rank.communicate(timeout=TIMEOUT) for rank in ranks)
+    assert ranks[1].returncode == 2 and "cannot decode image" in err1, err1
+    assert ranks[0].returncode == 200 and "Traceback" not in err0, err0
+    assert "lost contact with another rank while they decoded the images" in err0
+
+
 def test_a_long_epoch_leaves_progress_lines_in_a_log_file(monkeypatch, capsys):
     """Under mpirun, PBS or nohup there is no terminal for the bar: an epoch of many minutes
     must still say how far it is, in lines."""
@@ -147,7 +166,6 @@ def test_tiny_to_cifar_writes_cifar100_pickles_of_real_photos(tmp_path):
     averages, read back by the scripts' own CIFAR-100 reader."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from tiny_to_cifar import convert
-    from datagen import make_tinyimagenet
     make_tinyimagenet(tmp_path / "d", n_classes=102, n_train_per_class=3, n_val_per_class=2,
                       seed=1)
     convert(tmp_path / "d", tmp_path / "c", per_class_train=2, per_class_test=2)
