@@ -53,6 +53,7 @@ RESUME = "tests/test_scripts.py::test_resume_continues_where_it_stopped"
 ASYNC_RESUME = ("tests/test_reliability.py::test_async_sgd_stopped_inside_an_epoch_trains_each_"
                 "batch_of_it_once")
 RULE = BUGS + "test_async_server_applies_its_rule_to_stale_gradients"
+SCALE = "tests/test_scale.py::"
 RESUMED_BATCHES = ("tests/test_data.py::test_a_resumed_epoch_draws_each_batchs_crops_flips_and_"
                    "dropout_masks_again")
 STOPPED_INSIDE_AN_EPOCH = ("tests/test_reliability.py::test_a_run_stopped_inside_an_epoch_ends_"
@@ -446,6 +447,36 @@ MUTANTS = [
            ("tests/test_distributed.py", "-k", "state_of_views"),
            "the checkpoint is pickled for the other ranks, each tensor with its whole storage: "
            "an async server's 43 MB becomes 1.25 GB"),
+    # --------------------------------------------------------------------- real scale
+    Mutant("no-progress-lines-in-a-log-file", "common/training.py",
+           "            elif time.perf_counter() - self.last_line >= LINE_EVERY:  # rank 0's "
+           "loss, acc\n", "            elif False:\n",
+           (SCALE + "test_a_long_epoch_leaves_progress_lines_in_a_log_file",
+            SCALE + "test_distributed_runs_log_progress_lines_without_a_terminal"),
+           "an epoch of many minutes leaves nothing in a log file (no terminal under mpirun, "
+           "PBS or nohup)"),
+    Mutant("async-server-silent-in-a-log-file", "async_sgd_cifar100.py",
+           "            elif self.last_update - self.last_line >= training.LINE_EVERY:  # for a "
+           "log file\n", "            elif False:\n",
+           (SCALE + "test_distributed_runs_log_progress_lines_without_a_terminal",),
+           "the parameter server says nothing between its epoch lines"),
+    Mutant("every-rank-decodes-every-image", "common/data.py",
+           "    if comm is None or comm.world_size == 1:\n", "    if True:\n",
+           (SCALE + "test_the_ranks_decode_tinyimagenet_once_between_them",),
+           "every rank decodes all 110,000 TinyImageNet JPEGs, the parameter server too"),
+    Mutant("server-decodes-the-training-set", "common/data.py",
+           "return (SKIP, ALONE) if comm.rank == 0", "return (ALONE, ALONE) if comm.rank == 0",
+           (SCALE + "test_the_ranks_decode_tinyimagenet_once_between_them",),
+           "the parameter server, which never trains, decodes and holds the training set"),
+    Mutant("shares-broadcast-from-group-ranks", "common/images.py",
+           "src=dist.get_global_rank(group, r)", "src=r",
+           (SCALE + "test_the_shared_decoding_gives_the_pixels_of_one_process",),
+           "each share broadcast from the group's rank number, not its rank in the world: "
+           "async's workers (ranks 1..N) get the wrong pixels or none"),
+    Mutant("cifar-shape-by-subsampling", "bench/tiny_to_cifar.py",
+           "x.reshape(32, 2, 32, 2, 3).mean(axis=(1, 3))", "x[::2, ::2]",
+           (SCALE + "test_tiny_to_cifar_writes_cifar100_pickles_of_real_photos",),
+           "64x64 shrunk to 32x32 by keeping every other pixel, not area averaging (aliasing)"),
 ]
 
 def tree_files():
