@@ -1,6 +1,7 @@
 """What several test modules need: the repository root, a child's environment, argv parsing."""
 import os
 import shutil
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,3 +54,25 @@ def markdown_rows(text):
     stripped of its padding."""
     return [[cell.strip() for cell in line.strip("|").split("|")]
             for line in text.splitlines() if line.startswith("|")]
+
+
+def finish(procs, timeout=240):
+    """(returncode, stdout, stderr) of each process; none outlives the test."""
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+        return [(p.returncode, *output) for p, output in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def by_hand(args, ranks=2, cwds=None, **env):
+    """`args` started as the ranks of one world by the launcher variables alone (as a pod per
+    rank is; no mpirun to end them together), each in its folder of `cwds`: their (exit status,
+    stdout, stderr)."""
+    from common.network import free_port
+    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                    WORLD_SIZE=str(ranks), **env)
+    return finish([subprocess.Popen(args, cwd=cwd, env=child_env(RANK=str(rank), **contract),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for rank, cwd in enumerate(cwds or [ROOT] * ranks)])

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from helpers import ROOT, child_env
+from helpers import ROOT, child_env, finish
 
 TIMEOUT = 240  # no test may hang
 ADDRESSES = ("10.231.0.1", "10.231.0.2")
@@ -76,16 +76,6 @@ def env(**extra):
 def start(cmd, **extra):
     return subprocess.Popen(cmd, cwd=ROOT, env=env(**extra), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-
-
-def finish(procs):
-    """(returncode, stdout, stderr) of each process; none outlives the test."""
-    try:
-        outputs = [p.communicate(timeout=TIMEOUT) for p in procs]
-        return [(p.returncode, *output) for p, output in zip(procs, outputs)]
-    finally:
-        for p in procs:
-            p.kill()
 
 
 def script_args(script, cifar_dir, out, *extra):

@@ -24,7 +24,7 @@ from common import checkpoint, inbox
 from common.messages import GRADIENT
 from common.network import free_port
 from datagen import make_cifar100, make_tinyimagenet
-from helpers import MPIRUN, ROOT, child_env
+from helpers import MPIRUN, ROOT, by_hand, child_env
 
 TIMEOUT = 240
 
@@ -252,23 +252,6 @@ def test_usr1_to_mpirun_stops_every_rank_after_its_step_and_the_run_resumes(cifa
     assert result.returncode == 0, result.stderr
     assert f"step {partial['step']} of epoch 1" in result.stdout
     assert len(rows(out)) == 1
-
-
-def by_hand(args, ranks=2, cwds=None, **env):
-    """`args` started as the ranks of one world by the launcher variables alone (as a pod per
-    rank is; no mpirun to end them together), each in its folder of `cwds`: their (exit status,
-    stdout, stderr)."""
-    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                    WORLD_SIZE=str(ranks), **env)
-    procs = [subprocess.Popen(args, cwd=cwd, env=child_env(RANK=str(rank), **contract),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank, cwd in enumerate(cwds or [ROOT] * ranks)]
-    try:
-        outputs = [p.communicate(timeout=TIMEOUT) for p in procs]
-        return [(p.returncode, *output) for p, output in zip(procs, outputs)]
-    finally:
-        for p in procs:
-            p.kill()
 
 
 def test_a_run_stopped_inside_an_epoch_ends_as_the_uninterrupted_one_dropout_and_all(

@@ -15,7 +15,7 @@ from common import data, training
 from common.network import free_port
 from common.run import Run
 from datagen import make_tinyimagenet, write_damaged_image
-from helpers import ROOT, child_env
+from helpers import ROOT, by_hand, child_env
 
 TIMEOUT = 240
 
@@ -127,15 +127,11 @@ def test_a_rank_that_cannot_decode_its_share_ends_the_others_in_one_line(tmp_pat
     make_tinyimagenet(tmp_path / "d", n_classes=4, n_train_per_class=6, n_val_per_class=3)
     train, _, _ = data.tinyimagenet_files(tmp_path / "d")
     write_damaged_image(train[-1][0], "garbage")  # the last file: rank 1's share
-    contract = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     command = [sys.executable, "sync_sgd_cifar100.py",
                *one_epoch(tmp_path / "d", tmp_path / "o"), "--timeout", "60"]
-    ranks = [subprocess.Popen(command, cwd=ROOT, env=child_env(RANK=str(rank), **contract),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in (0, 1)]
-    (_, err0), (_, err1) = (rank.communicate(timeout=TIMEOUT) for rank in ranks)
-    assert ranks[1].returncode == 2 and "cannot decode image" in err1, err1
-    assert ranks[0].returncode == 200 and "Traceback" not in err0, err0
+    (code0, _, err0), (code1, _, err1) = by_hand(command)
+    assert code1 == 2 and "cannot decode image" in err1, err1
+    assert code0 == 200 and "Traceback" not in err0, err0
     assert "lost contact with another rank while they decoded the images" in err0
 
 
