@@ -68,7 +68,9 @@ class ShardedLoader:
         return list(range(self.rank, self.size, self.world_size))
 
     def __len__(self):
-        return math.ceil(len(self.indices()) / self.batch_size)
+        samples = self.sampler.num_samples if self.sampler is not None else \
+            len(range(self.rank, self.size, self.world_size))
+        return math.ceil(samples / self.batch_size)
 
     def __iter__(self):
         return self.batches()

@@ -42,8 +42,8 @@ def warmup_cosine(optimizer, args, steps_per_epoch):
 class EpochMetrics:
     """Loss and accuracy of one training pass over this rank's shard and its time, from the step
     a stopped pass reached (`resumed`, what `partial()` gave its checkpoint).  Summed on the
-    device and read every LOG_EVERY steps only (the GPU never waits for the host), raising
-    NonFiniteLoss at the first bad step.  With `comm`, the totals are over every rank.  Progress
+    device and read every LOG_EVERY steps or for a progress line only (the GPU seldom waits
+    for the host), raising NonFiniteLoss at the first bad step.  With `comm`, the totals are over every rank.  Progress
     shows as a bar on a terminal; in a log file (mpirun, PBS, nohup) as a line a minute."""
 
     def __init__(self, run, epoch, steps, lr, resumed=None, comm=None):
@@ -83,11 +83,13 @@ class EpochMetrics:
             if self.bar is not None:
                 self.bar.set_postfix(loss=f"{self.loss_sum.item() / self.count:.3f}",
                                      acc=f"{100.0 * self.correct.item() / self.count:.1f}%")
-            elif time.perf_counter() - self.last_line >= LINE_EVERY:  # rank 0's loss, acc
-                self.last_line = time.perf_counter()
-                self.run.log(progress_line(self.epoch * self.steps + self.step, self.steps,
-                                           (self.loss_sum.item(), self.correct.item(), self.count),
-                                           self.opened, self.run.world_size))
+        # The clock at every step (a step can take seconds), the device read only when a line
+        # is due: rank 0's loss and accuracy.
+        if self.bar is None and time.perf_counter() - self.last_line >= LINE_EVERY:
+            self.last_line = time.perf_counter()
+            self.run.log(progress_line(self.epoch * self.steps + self.step, self.steps,
+                                       (self.loss_sum.item(), self.correct.item(), self.count),
+                                       self.opened, self.run.world_size))
 
     def end(self, stopped=False):
         """The pass is over: all its batches, or (`stopped`) up to a SIGTERM/SIGINT."""

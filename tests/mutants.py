@@ -449,12 +449,23 @@ MUTANTS = [
            "an async server's 43 MB becomes 1.25 GB"),
     # --------------------------------------------------------------------- real scale
     Mutant("no-progress-lines-in-a-log-file", "common/training.py",
-           "            elif time.perf_counter() - self.last_line >= LINE_EVERY:  # rank 0's "
-           "loss, acc\n", "            elif False:\n",
+           "        if self.bar is None and time.perf_counter() - self.last_line >= LINE_EVERY:\n",
+           "        if False:\n",
            (SCALE + "test_a_long_epoch_leaves_progress_lines_in_a_log_file",
             SCALE + "test_distributed_runs_log_progress_lines_without_a_terminal"),
            "an epoch of many minutes leaves nothing in a log file (no terminal under mpirun, "
            "PBS or nohup)"),
+    Mutant("progress-clock-read-every-50-steps", "common/training.py",
+           "        if self.bar is None and time.perf_counter() - self.last_line >= LINE_EVERY:\n",
+           "        if self.bar is None and self.step % LOG_EVERY == 0 and "
+           "time.perf_counter() - self.last_line >= LINE_EVERY:\n",
+           (SCALE + "test_a_long_epoch_leaves_progress_lines_in_a_log_file",),
+           "the clock read only every 50 steps: with 10-second steps, a line every 8 minutes"),
+    Mutant("a-loaders-length-shuffles-the-set", "common/loader.py",
+           "        samples = self.sampler.num_samples if self.sampler is not None else \\\n",
+           "        samples = len(self.indices()) if self.sampler is not None else \\\n",
+           ("tests/test_data.py::test_a_loaders_length_draws_no_permutation",),
+           "len(loader) builds the whole permutation at every call"),
     Mutant("async-server-silent-in-a-log-file", "async_sgd_cifar100.py",
            "            elif self.last_update - self.last_line >= training.LINE_EVERY:  # for a "
            "log file\n", "            elif False:\n",

@@ -421,6 +421,17 @@ def test_train_sampler_shards_cover_each_sample_once_per_epoch():
     assert _collect(loader, 1)[1].tolist() == orders[1][:10]
 
 
+def test_a_loaders_length_draws_no_permutation(monkeypatch):
+    """len(loader) is read by every training loop and progress count: it is the shard's size
+    over the batch, not a shuffle of the whole data set at each call."""
+    loader = DeviceLoader(_id_set(20), 3, "cpu", train=True, rank=1, world_size=2, **RAW)
+    drawn = []
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: drawn.append(a) or 1 / 0)
+    assert len(loader) == 4 and drawn == []  # ceil(10 / 3)
+    tests = DeviceLoader(_id_set(11), 4, "cpu", train=False, rank=1, world_size=2, **RAW)
+    assert len(tests) == 2  # samples 1, 3, ..., 9
+
+
 def test_test_loader_covers_each_sample_once_without_padding():
     ds = _id_set(11)
     ids = []

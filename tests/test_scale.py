@@ -137,15 +137,18 @@ def test_a_rank_that_cannot_decode_its_share_ends_the_others_in_one_line(tmp_pat
 
 def test_a_long_epoch_leaves_progress_lines_in_a_log_file(monkeypatch, capsys):
     """Under mpirun, PBS or nohup there is no terminal for the bar: an epoch of many minutes
-    must still say how far it is, in lines."""
-    monkeypatch.setattr(training, "LINE_EVERY", 0.0, raising=False)  # a line at every check
+    must still say how far it is, in a line a minute, however long its steps take (10 s
+    each here: a line every 6 steps, not every 50)."""
+    now = [0.0]  # the clock, in seconds
+    monkeypatch.setattr(training.time, "perf_counter", lambda: now[0])
     run = Run("test", ".", torch.device("cpu"), False)
-    metrics = training.EpochMetrics(run, 2, 120, 0.1)
-    for _ in range(120):
+    metrics = training.EpochMetrics(run, 2, 30, 0.1)
+    for _ in range(30):
+        now[0] += 10.0
         metrics.update(torch.tensor(2.0), torch.eye(4)[torch.tensor([0, 1])], torch.tensor([0, 3]))
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [
-        "epoch 3 step 50/120", "epoch 3 step 100/120", "epoch 3 step 120/120"], lines
+        f"epoch 3 step {k}/30" for k in (6, 12, 18, 24, 30)], lines
     assert "train loss 2.0000, train acc 50.00%" in lines[0] and lines[0].endswith(" images/s")
 
 
