@@ -317,5 +317,6 @@ def print_world(res):
 
 
 if __name__ == "__main__":  # this benchmark alone, as `python bench/run.py --only exchange` runs it
-    import run
-    raise SystemExit(run.main(only="exchange", doc=__doc__))
+    import harness
+    alone = {"exchange": lambda args: run(args.quick)}
+    raise SystemExit(harness.main(alone, doc=__doc__))

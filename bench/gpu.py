@@ -166,5 +166,6 @@ def print_result(res):
 
 
 if __name__ == "__main__":  # this benchmark alone, as `python bench/run.py --only gpu` runs it
-    import run
-    raise SystemExit(run.main(only="gpu", doc=__doc__))
+    import harness
+    alone = {"gpu": lambda args: run(args.quick)}
+    raise SystemExit(harness.main(alone, doc=__doc__))

@@ -24,23 +24,12 @@ import csv
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-from util import REPO_ROOT, SMOKE, Skip, log, out_of_time, table
-
-
-def mpirun():
-    exe = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    if os.path.exists(exe):
-        return exe
-    found = shutil.which("mpirun")
-    if not found:
-        raise Skip("mpirun not found (pip install -r requirements-dev.txt adds Open MPI)")
-    return found
+from util import REPO_ROOT, SMOKE, Skip, log, mpirun, out_of_time, table
 
 
 def run_one(workers, batch, updates_per_worker, timeout, extra=(), script="async_sgd_cifar100.py"):
@@ -185,5 +174,6 @@ def print_result(res):
 
 
 if __name__ == "__main__":  # this benchmark alone, as `python bench/run.py --only ps` runs it
-    import run
-    raise SystemExit(run.main(only="ps", doc=__doc__))
+    import harness
+    alone = {"ps": lambda args: run(args.quick)}
+    raise SystemExit(harness.main(alone, doc=__doc__))

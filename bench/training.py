@@ -409,5 +409,6 @@ def print_data(res):
 
 
 if __name__ == "__main__":  # this benchmark alone, as `python bench/run.py --only step` runs it
-    import run
-    raise SystemExit(run.main(only="step", doc=__doc__))
+    import harness
+    alone = {"step": lambda args: run(args.quick, workers=args.workers)}
+    raise SystemExit(harness.main(alone, doc=__doc__))

@@ -1,7 +1,8 @@
-"""Helpers shared by the benchmarks: paths, machine description, load, timing, tables."""
+"""Helpers shared by the benchmarks: paths, machine description, load, timing, tables, mpirun."""
 import datetime
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,17 @@ def median(values):
 def spread(values):
     """(min, max) of a list, for the tables' +- columns."""
     return (min(values), max(values)) if values else (float("nan"), float("nan"))
+
+
+def mpirun():
+    """The mpirun beside this Python (the venv's Open MPI), else the one on PATH."""
+    exe = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if os.path.exists(exe):
+        return exe
+    found = shutil.which("mpirun")
+    if not found:
+        raise Skip("mpirun not found (pip install -r requirements-dev.txt adds Open MPI)")
+    return found
 
 
 def sync(device):

@@ -5,6 +5,7 @@ server: without one, the main's rule; with each, the rule it was).
 The timed benchmarks are not run here (their figures are ratios taken side by side on a quiet
 machine).
 """
+import ast
 import json
 import math
 import os
@@ -231,7 +232,8 @@ def test_each_benchmark_runs_alone_and_answers_help_without_running(tmp_path):
     bench = os.path.join(ROOT, "bench")
     names = {"exchange.py": "exchange", "gpu.py": "gpu", "param_server.py": "ps",
              "training.py": "step"}
-    scripts = sorted(f for f in os.listdir(bench) if f.endswith(".py") and f != "util.py")
+    scripts = sorted(f for f in os.listdir(bench)
+                     if f.endswith(".py") and f not in ("util.py", "harness.py"))
     assert set(names) <= set(scripts)
     env = child_env(BENCH_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
@@ -252,6 +254,43 @@ def test_each_benchmark_runs_alone_and_answers_help_without_running(tmp_path):
     assert alone.returncode == 0, (out, err)
     assert list(json.loads(record.read_text())["benchmarks"]) == ["gpu"]
     assert "skipped" in json.loads(record.read_text())["benchmarks"]["gpu"]
+
+
+def bench_imports():
+    """Each module of bench/ (by name) and the modules of bench/ it imports, at its top or in a
+    function."""
+    bench = os.path.join(ROOT, "bench")
+    names = {f[:-3] for f in os.listdir(bench) if f.endswith(".py")}
+    graph = {}
+    for name in names:
+        with open(os.path.join(bench, f"{name}.py")) as f:
+            tree = ast.parse(f.read())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+        graph[name] = imported & names
+    return graph
+
+
+def test_bench_run_only_dispatches_and_no_module_imports_itself_back():
+    """bench/run.py imports every benchmark and none imports it (four once did, for the loop
+    that runs one alone): no module of bench/ reaches itself through its imports."""
+    graph = bench_imports()
+    assert {"training", "exchange", "param_server", "gpu", "convergence"} <= graph["run"]
+
+    def reached(start):  # every module `start` imports, directly or through others
+        seen, todo = set(), list(graph[start])
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo.extend(graph[name])
+        return seen
+    circles = {name: sorted(graph[name]) for name in sorted(graph) if name in reached(name)}
+    assert not circles, f"modules of bench/ that import themselves back: {circles}"
 
 
 def test_convergence_runs_the_async_runs_with_a_rules_option_through_async_rules(monkeypatch):
