@@ -43,7 +43,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from util import REPO_ROOT, SMOKE, TESTS_DIR, log, out_of_time, set_budget, table
+from util import REPO_ROOT, SMOKE, TESTS_DIR, log, mpirun, out_of_time, set_budget, table
 
 # lr 0.15: on the plateau of one process's accuracy (the staleness simulator, since removed,
 # seed 0: 25.9 % at 0.05, 37.3 % at 0.075, 45.5 % at 0.1, 45.0 % at 0.15); 0.05, used before,
@@ -97,7 +97,6 @@ def command(kind, processes, data_dir, out, cfg, seed, extra=()):
         from common.network import free_port
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                 str(processes), "--master-port", str(free_port()), script, *flags]
-    from param_server import mpirun
     return [mpirun(), "-np", str(processes), "--oversubscribe", "--bind-to", "none",
             "-x", f"OMP_NUM_THREADS={threads(processes, cfg)}", "-x", "PYTHONPATH",
             sys.executable, script, *flags]
