@@ -1,44 +1,16 @@
-"""The collectives the scripts use, and a lost peer told from a bug: a collective that fails
-because another rank died or went silent is one line and the retryable exit 200."""
+"""The collectives the scripts use, on the device their backend takes; one that fails because
+another rank died or went silent is one line and the retryable exit 200 (common/peers.py)."""
 import functools
 import io
-import re
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
 from .checkpoint import load_plain
 from .flags import RANK_FLAGS, recipe_difference
-from .run import PeerLost, UserError
-
-
-def is_peer_failure(exc):
-    """Did a collective fail because another rank died or stopped answering?"""
-    return isinstance(exc, dist.DistError) or any(marker in str(exc) for marker in (
-        "gloo", "Connection reset", "Connection closed", "Timed out", "NCCL", "timed out",
-        "pair closure"))
-
-
-def failure_line(exc, limit=160):
-    """A collective's error in a few words: its first line without the source location gloo
-    puts first or its advice to check the remote logs; if still long, its end."""
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    text = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". This is typically caused")[0]
-    return text[-limit:]
-
-
-@contextmanager
-def peer_lost_as(say, limit=160):
-    """Communication that fails because another rank died or went silent ends this one with
-    the line `say(the error's failure_line)` and the retryable exit (PeerLost); any other error
-    stays as it is."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if not is_peer_failure(exc):
-            raise
-        raise PeerLost(say(failure_line(exc, limit))) from None
+from .peers import is_peer_failure, peer_lost_as
+from .run import UserError
 
 
 def lost_peer(run, state):

@@ -9,8 +9,9 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from .collectives import Comm, failure_line
+from .collectives import Comm
 from .network import check_torchrun_master, choose_gloo_interface
+from .peers import failure_line
 from .run import PeerLost, UserError
 
 STARTUP_MARGIN = 5.0  # seconds past --timeout before a start-up that has not returned is ended

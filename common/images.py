@@ -7,7 +7,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .run import PeerLost, UserError
+from .peers import peer_lost_as
+from .run import UserError
 
 RESTORE = "restore it from the original tiny-imagenet-200.zip"
 
@@ -116,15 +117,12 @@ def decode_images(paths, size, workers, group=None):
     for batch in loader:
         out[start:start + len(batch)] = batch
         start += len(batch)
-    try:
+    with peer_lost_as(lambda why: f"rank {dist.get_rank()} lost contact with another rank while "
+                                  f"they decoded the images ({why}); that rank's own output says "
+                                  "why; the same command tries again"):
         for r in range(n if group is not None else 0):
             dist.broadcast(out[bounds[r]:bounds[r + 1]], src=dist.get_global_rank(group, r),
                            group=group)
-    except RuntimeError as exc:  # a rank died (its own output says why) or went silent
-        why = (str(exc).splitlines() or [type(exc).__name__])[0][-160:]
-        raise PeerLost(f"rank {dist.get_rank()} lost contact with another rank while they "
-                       f"decoded the images ({why}); that rank's own output says why; the "
-                       "same command tries again") from None
     return out
 
 

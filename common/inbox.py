@@ -9,8 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .collectives import failure_line, is_peer_failure
 from .messages import ALIVE, DONE
+from .peers import failure_line, is_peer_failure
 from .run import PeerLost
 
 

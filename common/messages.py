@@ -15,7 +15,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from .collectives import peer_lost_as
+from .peers import peer_lost_as
 from .run import Interrupted, NonFiniteLoss, PeerLost
 
 GRADIENT, DONE, STOPPING = 0.0, 1.0, 2.0
