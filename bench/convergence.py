@@ -57,6 +57,10 @@ QUICK = dict(n_train=3200, n_test=1000, epochs=4, batch=32, lr=0.05, seeds=(0,),
              sync=(2, 4), workers=(2, 4, 8))
 SMOKE_SIZES = dict(n_train=256, n_test=128, epochs=1, batch=32, lr=0.05, seeds=(0, 1),
                    sync=(2,), workers=(2,))
+# what --merge requires alike in every file, with the value of a run that did not use it (the
+# files written before the flag existed lack it)
+RECIPE = dict(n_train=None, n_test=None, epochs=None, batch=None, lr=None, flags=[],
+              async_flags=[], real=None)
 
 
 def make_yardstick(root, n_train, n_test, real=None):
@@ -255,14 +259,15 @@ def report(cfg, stats, walls, names):
 
 def merge(paths):
     """One table from several --json files of the same yardstick and recipe (more seeds, run
-    at different times): each run's seeds are pooled."""
-    same = ("n_train", "n_test", "epochs", "batch", "lr", "flags", "async_flags", "real")
+    at different times): each run's seeds are pooled.  The straggler pair may come from some
+    of the files only, at one delay."""
     cfg, results = None, {}
     for path in paths:
         try:
             with open(path) as f:
                 part = json.load(f)
-            recipe = {k: part["config"].get(k, []) for k in same}
+            recipe = {k: part["config"].get(k, unused) for k, unused in RECIPE.items()}
+            delay = part["config"].get("straggler")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             what = (f"cannot read it ({exc.strerror})" if isinstance(exc, OSError)
                     else "not a --json file of this script")
@@ -278,6 +283,11 @@ def merge(paths):
             raise SystemExit(f"--merge: {path} ran on {here}, {paths[0]} on {first_machine}; "
                              "merge only runs of the same torch build, precision and CPU or "
                              "GPU kind")
+        if delay is not None:  # the table holds the pair from the files that ran it
+            if cfg.get("straggler") not in (None, delay):
+                raise SystemExit(f"--merge: {path} slowed rank 1 by {delay} s, an earlier file "
+                                 f"by {cfg['straggler']} s; merge only one --straggler delay")
+            cfg["straggler"] = delay
         for name, run_ in part["runs"].items():
             for seed, rows in run_["per_seed"].items():
                 if int(seed) in results.get(name, {}):

@@ -79,6 +79,83 @@ def test_convergence_merge_of_a_missing_or_foreign_file_is_one_line(monkeypatch,
         convergence.merge([str(foreign)])
 
 
+# the config of a --json file of bench/convergence.py, as its run() writes it
+CONVERGENCE_CONFIG = dict(n_train=64, n_test=32, epochs=1, batch=8, lr=0.1, seeds=[0],
+                          sync=[2], workers=[2], async_flags=[], flags=[], device="cpu",
+                          launcher="mpirun", parallel=1, real=None, straggler=None,
+                          machine={"cpu": "x", "torch": "2.0", "precision": "fp32",
+                                   "avx512": True})
+
+
+def convergence_json(path, finals, without=(), **config):
+    """Write a --json file of bench/convergence.py: `finals` maps a run's name to {seed: its
+    test accuracy} (one epoch each); `config` changes the config, `without` leaves keys out
+    (as files written before their flag existed did)."""
+    config = {k: v for k, v in dict(CONVERGENCE_CONFIG, **config).items() if k not in without}
+    runs = {name: {"per_seed": {str(seed): [{"epoch": 1.0, "test_acc": acc, "train_loss": 2.0,
+                                             "mean_staleness": 1.0, "max_staleness": 2.0}]
+                                for seed, acc in accs.items()}}
+            for name, accs in finals.items()}
+    path.write_text(json.dumps({"config": config, "runs": runs}))
+    return str(path)
+
+
+def test_convergence_merge_pools_files_from_before_real_and_straggler(monkeypatch, tmp_path):
+    """A file written before --real and --straggler existed (no "real", no "straggler" in its
+    config) ran what a file of today without them runs: --merge pools their seeds, in either
+    order (it once refused them: a missing "real" read as [] against today's null), and still
+    refuses a file of real photos beside them."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import convergence
+    old = convergence_json(tmp_path / "old.json", {"sync, 2 ranks": {0: 40.0}},
+                           without=("real", "straggler"))
+    today = convergence_json(tmp_path / "today.json", {"sync, 2 ranks": {1: 44.0}})
+    for paths in ([old, today], [today, old]):
+        merged = convergence.merge(paths)
+        assert sorted(merged["summary"]["sync, 2 ranks"]["finals"]) == [40.0, 44.0]
+        assert merged["config"]["seeds"] == [0, 1]
+    photos = convergence_json(tmp_path / "photos.json", {"sync, 2 ranks": {2: 30.0}},
+                              real="/data")
+    with pytest.raises(SystemExit, match="same yardstick and recipe"):
+        convergence.merge([old, photos])
+
+
+def test_convergence_merge_keeps_the_straggler_pair_of_a_later_file(monkeypatch, tmp_path,
+                                                                     capsys):
+    """The straggler pair run in a later file only (--straggler there, not in the first) is in
+    the merged table, the async run's gap taken to the slowed sync run, and the merged file
+    says its delay (the table was once made from the first file's runs and left the pair out)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import convergence
+    plain = convergence_json(tmp_path / "plain.json",
+                             {"sync, 2 ranks": {0: 40.0}, "async, 2 workers": {0: 41.0}})
+    slow = convergence_json(tmp_path / "slow.json",
+                            {"sync, 2 ranks, rank 1 slow": {0: 30.0},
+                             "async, 2 workers, worker 1 slow": {0: 35.0}}, straggler=0.25)
+    merged = convergence.merge([plain, slow])
+    table = markdown_rows(capsys.readouterr().out)
+    header, rows = table[0], {row[0]: row for row in table[2:]}
+    assert set(rows) == {"sync, 2 ranks", "async, 2 workers", "sync, 2 ranks, rank 1 slow",
+                         "async, 2 workers, worker 1 slow"}
+    assert rows["async, 2 workers, worker 1 slow"][header.index("gap to sync")] == \
+        "+5.00 (sync, 2 ranks, rank 1 slow)"
+    assert merged["config"]["straggler"] == 0.25
+
+
+def test_convergence_merge_refuses_two_straggler_delays(monkeypatch, tmp_path):
+    """The straggler pair's runs slowed by different delays are different experiments: --merge
+    refuses to pool them as seeds of one run."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import convergence
+    pair = ("sync, 2 ranks, rank 1 slow", "async, 2 workers, worker 1 slow")
+    short = convergence_json(tmp_path / "short.json", {name: {0: 30.0} for name in pair},
+                             straggler=0.25)
+    long = convergence_json(tmp_path / "long.json", {name: {1: 20.0} for name in pair},
+                            straggler=0.5)
+    with pytest.raises(SystemExit, match="one --straggler delay"):
+        convergence.merge([short, long])
+
+
 def test_convergence_reports_the_training_loss_gap_beside_the_accuracy_gap(monkeypatch,
                                                                            capsys):
     """The table gives each async run's gap to sync in final training loss too (mean and
