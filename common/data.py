@@ -11,7 +11,6 @@ from collections import namedtuple
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from .cifar import cifar100_folder, read_cifar100_pickles
 from .folders import make_folders, remove_empty
@@ -116,12 +115,14 @@ ALONE, SKIP = None, "skip"  # decode every file of a set yourself; decode none (
 def decoding_plan(comm, parameter_server=False):
     """Who decodes the (training, test) images: in sync SGD every rank a share of both sets; in
     async SGD the workers a share of the training set each, and the server, which never
-    trains, the test set alone (it alone evaluates).  A process group means "a share each"."""
+    trains, the test set alone (it alone evaluates).  A process group means "a share each":
+    one that takes the CPU tensors the images are decoded into (`Comm.cpu_group`)."""
     if comm is None or comm.world_size == 1:
         return ALONE, ALONE
     if not parameter_server:
-        return dist.group.WORLD, dist.group.WORLD
-    workers = dist.new_group(list(range(1, comm.world_size)))  # every rank must make it
+        everyone = comm.cpu_group()
+        return everyone, everyone
+    workers = comm.cpu_group(range(1, comm.world_size))  # every rank must make it
     return (SKIP, ALONE) if comm.rank == 0 else (workers, SKIP)
 
 

@@ -47,7 +47,8 @@ def process_group(args, run, launch, backend=None):
         import_before_init()
         if launch.launcher == "torchrun":
             check_torchrun_master(launch)
-        interface = choose_gloo_interface(launch.master_addr) if backend == "gloo" else None
+        # nccl too: a gloo group beside it carries what the ranks share in host memory
+        interface = choose_gloo_interface(launch.master_addr) if backend != "mpi" else None
         if interface:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
             line += (f" | gloo interface {interface} (the route to the master; this host's name "
@@ -57,7 +58,8 @@ def process_group(args, run, launch, backend=None):
     if launch.world_size > 1:
         start_process_group(backend, launch, args.timeout, run.stop)
     try:
-        yield Comm(launch.rank, launch.world_size, backend)
+        yield Comm(launch.rank, launch.world_size, backend,
+                   datetime.timedelta(seconds=args.timeout))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

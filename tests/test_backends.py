@@ -6,18 +6,38 @@ wrong device must stay a bug (a traceback, exit 1), not a lost peer that a launc
 import subprocess
 import sys
 
-from helpers import ROOT, child_env
+from helpers import ROOT, by_hand, child_env
 
 CUDA_ONLY = r"""
-import sys
+import argparse, sys, torch
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-from common import data
+from common import data, distributed
+from common.launch import detect_launch
 from common.network import free_port
-from common.run import execute
+from common.run import Run, execute
 dist.Backend.register_backend(
     "cudaonly", lambda store, rank, size, timeout: dist.ProcessGroupGloo(store, rank, size, timeout),
     devices=["cuda"])
+"""
+
+# Every rank of a world whose backend takes CUDA tensors only loads TinyImageNet, sharing the
+# decoding, as sync SGD does under NCCL; then says whether it holds the pixels one process gets.
+SHARED_DECODING = CUDA_ONLY + r"""
+args = argparse.Namespace(dataset="tinyimagenet", data_dir=sys.argv[2], dummy=False,
+                          download=False, workers=0, train_limit=None, test_limit=None, seed=0,
+                          evaluate=False, backend="cudaonly", timeout=60)
+
+def main():
+    launch = detect_launch()
+    run = Run("probe", ".", torch.device("cpu"), False, launch.rank, launch.world_size)
+    with distributed.process_group(args, run, launch, backend="cudaonly") as comm:
+        train, test = data.load_datasets("tinyimagenet", args, comm)
+    alone = data.read_tinyimagenet(sys.argv[2], 0)
+    same = torch.equal(train.images, alone[0].images) and torch.equal(test.images, alone[1].images)
+    print(f"rank {launch.rank}: {'identical' if same else 'different'}", flush=True)
+
+execute(main)
 """
 
 # One process, a world of 1 of that backend, a CPU tensor broadcast over it: a bug in the code.
@@ -35,6 +55,13 @@ def probe(tmp_path, source):
     path = tmp_path / "probe.py"
     path.write_text(source)
     return [sys.executable, str(path), ROOT]
+
+
+def test_the_shared_decoding_works_where_the_backend_takes_cuda_tensors_only(tiny_dir, tmp_path):
+    """sync SGD on TinyImageNet under NCCL: the decoded shares, in host memory, go over a group
+    that takes them (before: the broadcast failed, "lost contact", exit 200 on every rank)."""
+    for code, out, err in by_hand(probe(tmp_path, SHARED_DECODING) + [str(tiny_dir)]):
+        assert code == 0 and "identical" in out, out + err
 
 
 def test_a_tensor_on_a_device_the_backend_does_not_take_is_a_bug_not_a_lost_peer(tiny_dir,
