@@ -488,6 +488,26 @@ MUTANTS = [
            "x.reshape(32, 2, 32, 2, 3).mean(axis=(1, 3))", "x[::2, ::2]",
            (SCALE + "test_tiny_to_cifar_writes_cifar100_pickles_of_real_photos",),
            "64x64 shrunk to 32x32 by keeping every other pixel, not area averaging (aliasing)"),
+    # -------------------------------------------------------------------------- bench/
+    Mutant("merge-drops-a-later-files-straggler-pair", "bench/convergence.py",
+           '            cfg["straggler"] = delay\n', '            cfg.setdefault("straggler", None)\n',
+           ("tests/test_bench.py::test_convergence_merge_keeps_the_straggler_pair_of_a_later_file",),
+           "--merge drops a later file's straggler pair from the table"),
+    Mutant("merge-refuses-files-from-before-real", "bench/convergence.py",
+           "async_flags=[], real=None)", "async_flags=[])",
+           ("tests/test_bench.py::test_convergence_merge_pools_files_from_before_real_and_"
+            "straggler",),
+           "--merge refuses result files written before --real existed"),
+    Mutant("merge-pools-two-straggler-delays", "bench/convergence.py",
+           'if cfg.get("straggler") not in (None, delay):', "if False:",
+           ("tests/test_bench.py::test_convergence_merge_refuses_two_straggler_delays",),
+           "--merge pools runs of two straggler delays as seeds of one run"),
+    Mutant("bench-import-circle", "bench/exchange.py",
+           "    import harness\n    alone = {\"exchange\"",
+           "    import run  # noqa: F401\n    import harness\n    alone = {\"exchange\"",
+           ("tests/test_bench.py::test_bench_run_only_dispatches_and_no_module_imports_itself_"
+            "back",),
+           "a benchmark imports the runner back: the circle run -> benchmark -> run"),
 ]
 
 def tree_files():
