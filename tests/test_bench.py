@@ -9,6 +9,7 @@ import ast
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 from collections import OrderedDict
@@ -674,3 +675,29 @@ def test_async_rules_refuses_a_bad_option_in_one_line(capsys):
             execute(lambda: async_rules.main(["--dummy", *argv]))
         lines = capsys.readouterr().err.strip().splitlines()
         assert stopped.value.code == 2 and len(lines) == 1 and needle in lines[0], (argv, lines)
+
+
+def test_tiny_to_cifar_validation_split_holds_out_training_photos_only(monkeypatch, tmp_path):
+    """--validation N, for choosing a recipe without the test set: its test pickle is the last N
+    of each class's training photos, its train pickle the others, no photo in both, and no
+    photo of the real test (val) set anywhere."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    from tiny_to_cifar import convert
+    from common import data
+    from tests.datagen import make_tinyimagenet
+    make_tinyimagenet(tmp_path / "d", n_classes=101, n_train_per_class=5, n_val_per_class=2)
+    convert(tmp_path / "d", tmp_path / "c", per_class_train=5, validation=2)
+    train, held = data.read_cifar100(tmp_path / "c", True), data.read_cifar100(tmp_path / "c",
+                                                                             False)
+    assert train.labels.tolist() == [k // 3 for k in range(300)]
+    assert held.labels.tolist() == [k // 2 for k in range(200)]
+    files, val, _ = data.tinyimagenet_files(tmp_path / "d")
+    class_0 = [path for path, label in files if label == 0]
+    names = {}
+    for split in ("train", "test"):
+        with open(tmp_path / "c" / "cifar-100-python" / split, "rb") as f:
+            names[split] = [n.decode() for n in pickle.load(f, encoding="bytes")[b"filenames"]]
+    assert names["test"][:2] == [os.path.basename(p) for p in class_0[3:5]]
+    assert names["train"][:3] == [os.path.basename(p) for p in class_0[:3]]
+    assert not set(names["train"]) & set(names["test"])
+    assert not {os.path.basename(p) for p, _ in val} & set(names["test"])
