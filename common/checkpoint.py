@@ -1,7 +1,8 @@
 """checkpoint.pt: everything a run needs to go on, written aside and renamed into place (a kill
 never leaves half a file), and holding only tensors, numbers, strings, None and lists, tuples and
 dicts of them, so that it is read with torch.load(weights_only=True): a checkpoint found in --out
-(a shared folder, a run someone sent) cannot run code."""
+(a shared folder, a run someone sent) cannot run code.  A run resumes it only with the recipe it
+was made with (the flags a resumed run, --evaluate or another rank may change stand below)."""
 import collections
 import os
 import pickle
@@ -10,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .flags import check_same_recipe
 from .run import UserError
 
 FORMAT = 2
@@ -113,6 +113,37 @@ class State:
     def add(self, row):
         self.rows.append(row)
         self.epoch = row["epoch"]
+
+
+# What a resumed run may change: where and how it runs, not what it computes. A larger --epochs
+# goes on along the longer schedule.  --evaluate needs only the data its network was made for.
+RUN_FLAGS = {"data_dir", "download", "workers", "epochs", "out", "device", "amp", "fresh",
+             "evaluate", "tensorboard", "backend", "timeout", "straggler_delay", "weights",
+             "no_pretrained"}
+EVALUATED_WITH = {"dataset", "image_size"}
+# What the ranks of one run may be given differently: a host's own data folder, say.
+RANK_FLAGS = RUN_FLAGS - {"epochs", "evaluate"}
+
+
+def recipe_difference(theirs, ours, names):
+    """The first of the flags `names` whose value in `theirs` differs from `ours` (dicts of
+    flags), as "--name", theirs, ours; or None.  Flags one of them lacks are not compared."""
+    for name in sorted(set(names) & set(theirs) & set(ours)):
+        if theirs[name] != ours[name]:
+            then, now = ("unset" if v is None else v for v in (theirs[name], ours[name]))
+            return f"--{name.replace('_', '-')}", then, now
+    return None
+
+
+def check_same_recipe(path, saved, args):
+    """Refuse, in one line, the checkpoint `path` of a run (its flags `saved`) whose recipe
+    differs from this command's (`args`, a dict); with --evaluate, only its data."""
+    differ = recipe_difference(saved, args, EVALUATED_WITH if args.get("evaluate")
+                               else set(args) - RUN_FLAGS)
+    if differ:
+        raise UserError(f"{path}: {differ[0]} was {differ[1]} in that run, here {differ[2]}; "
+                        "resume with that run's flags, or start over with --fresh (or another "
+                        "--out)")
 
 
 def resume(path, args, run, model, optimizer, scheduler, comm=None):

@@ -7,8 +7,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from .checkpoint import load_plain
-from .flags import RANK_FLAGS, recipe_difference
+from .checkpoint import RANK_FLAGS, load_plain, recipe_difference
 from .peers import is_peer_failure, peer_lost_as
 from .run import UserError
 

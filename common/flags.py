@@ -3,8 +3,6 @@ import argparse
 import math
 import os
 
-from .run import UserError
-
 
 def number(kind, low, high=math.inf, *, low_open=False, what=""):
     """An argparse type: a `kind` (int or float) from `low` (excluded if `low_open`) to below
@@ -132,34 +130,3 @@ def add_distributed_flags(parser, backends=("auto", "gloo", "nccl", "mpi")):
     g.add_argument("--straggler-delay", type=non_negative_float, default=0.0, metavar="SECONDS",
                    help="make rank 1 sleep this long at each step (a slow rank)")
     return g
-
-
-# What a resumed run may change: where and how it runs, not what it computes. A larger --epochs
-# goes on along the longer schedule.  --evaluate needs only the data its network was made for.
-RUN_FLAGS = {"data_dir", "download", "workers", "epochs", "out", "device", "amp", "fresh",
-             "evaluate", "tensorboard", "backend", "timeout", "straggler_delay", "weights",
-             "no_pretrained"}
-EVALUATED_WITH = {"dataset", "image_size"}
-# What the ranks of one run may be given differently: a host's own data folder, say.
-RANK_FLAGS = RUN_FLAGS - {"epochs", "evaluate"}
-
-
-def recipe_difference(theirs, ours, names):
-    """The first of the flags `names` whose value in `theirs` differs from `ours` (dicts of
-    flags), as "--name", theirs, ours; or None.  Flags one of them lacks are not compared."""
-    for name in sorted(set(names) & set(theirs) & set(ours)):
-        if theirs[name] != ours[name]:
-            then, now = ("unset" if v is None else v for v in (theirs[name], ours[name]))
-            return f"--{name.replace('_', '-')}", then, now
-    return None
-
-
-def check_same_recipe(path, saved, args):
-    """Refuse, in one line, the checkpoint `path` of a run (its flags `saved`) whose recipe
-    differs from this command's (`args`, a dict); with --evaluate, only its data."""
-    differ = recipe_difference(saved, args, EVALUATED_WITH if args.get("evaluate")
-                               else set(args) - RUN_FLAGS)
-    if differ:
-        raise UserError(f"{path}: {differ[0]} was {differ[1]} in that run, here {differ[2]}; "
-                        "resume with that run's flags, or start over with --fresh (or another "
-                        "--out)")

@@ -5,9 +5,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from .peers import peer_lost_as
 from .run import UserError
 
 RESTORE = "restore it from the original tiny-imagenet-200.zip"
@@ -102,27 +100,15 @@ class DecodedImages(torch.utils.data.Dataset):
         return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
 
 
-def decode_images(paths, size, workers, group=None):
-    """Decode image files into one uint8 tensor, `workers` processes in parallel.  With a process
-    `group`, each of its n ranks decodes 1/n of the files into its slice and broadcasts it to
-    the others: the work of one decoding, not n (TinyImageNet on 2 ranks of 2 cores: ready in
-    18 s, not 36), and no copy besides the set itself."""
-    out = torch.empty((len(paths), 3, size, size), dtype=torch.uint8)
-    n, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
-    bounds = [len(paths) * r // n for r in range(n + 1)]
-    mine = paths[bounds[rank]:bounds[rank + 1]]
-    loader = torch.utils.data.DataLoader(DecodedImages(mine, size), batch_size=512,
-                                         num_workers=workers if len(mine) > 512 else 0)
-    start = bounds[rank]
+def decode_images(paths, out, workers):
+    """Decode image files into `out` (uint8, an image a row, each resized to its side),
+    `workers` processes in parallel."""
+    loader = torch.utils.data.DataLoader(DecodedImages(paths, out.shape[-1]), batch_size=512,
+                                         num_workers=workers if len(paths) > 512 else 0)
+    start = 0
     for batch in loader:
         out[start:start + len(batch)] = batch
         start += len(batch)
-    with peer_lost_as(lambda why: f"rank {dist.get_rank()} lost contact with another rank while "
-                                  f"they decoded the images ({why}); that rank's own output says "
-                                  "why; the same command tries again"):
-        for r in range(n if group is not None else 0):
-            dist.broadcast(out[bounds[r]:bounds[r + 1]], src=dist.get_global_rank(group, r),
-                           group=group)
     return out
 
 
