@@ -58,24 +58,21 @@ class Comm:
         run.stop.signum = run.stop.signum or int(signum.item()) or None
         return run.stop.signum is not None
 
-    def takes_cpu_tensors(self):
-        """Not nccl, which takes CUDA tensors only (nor a backend registered for CUDA alone)."""
-        return "cpu" in dist.Backend.backend_capability.get(self.backend, ["cpu"])
-
     def device(self):
-        """Where this backend's collectives take their tensors: on the CPU where they can."""
-        return torch.device("cpu") if self.takes_cpu_tensors() else \
-            torch.device("cuda", torch.cuda.current_device())
+        """Where this backend's collectives take their tensors: the CPU, but for a backend
+        registered for CUDA alone, as nccl is (then this rank's GPU, the current device)."""
+        cpu = "cpu" in dist.Backend.backend_capability.get(self.backend, ["cpu"])
+        return torch.device("cpu" if cpu else "cuda")
 
     def cpu_group(self, ranks=None):
         """A group of `ranks` (every rank by default) whose collectives take CPU tensors, made
         by every rank together.  Under nccl, a gloo group beside it: what the ranks share in host
         memory (TinyImageNet decoded, 1.2 GB) travels as it lies, not through GPU memory that
         training needs, nor copied there and back, for a broadcast made once a run."""
-        if ranks is None and self.takes_cpu_tensors():
+        if ranks is None and self.device().type == "cpu":
             return dist.group.WORLD
         return dist.new_group(ranks, timeout=self.timeout,
-                              backend=None if self.takes_cpu_tensors() else "gloo")
+                              backend=None if self.device().type == "cpu" else "gloo")
 
     @before_training
     def check_same_flags(self, args):
