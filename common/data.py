@@ -104,7 +104,7 @@ def load_datasets(name, args, comm=None, parameter_server=False):
         download(args.data_dir, "TinyImageNet", tiny_folder(args.data_dir) +
                  "/{wnids.txt,train,val}")
     return read_tinyimagenet(args.data_dir, args.workers, args.train_limit, args.test_limit,
-                             args.seed, decoding_plan(comm, parameter_server))
+                             args.seed, decoding_plan(comm, parameter_server, args.evaluate))
 
 
 def read_cifar100(data_dir, train):
@@ -114,17 +114,19 @@ def read_cifar100(data_dir, train):
 ALONE, SKIP = None, "skip"  # decode every file of a set yourself; decode none (never read)
 
 
-def decoding_plan(comm, parameter_server=False):
+def decoding_plan(comm, parameter_server=False, evaluate=False):
     """Who decodes the (training, test) images: in sync SGD every rank a share of both sets; in
     async SGD the workers a share of the training set each, and the server, which never
-    trains, the test set alone (it alone evaluates).  A process group means "a share each":
-    one that takes the CPU tensors the images are decoded into (`Comm.cpu_group`)."""
+    trains, the test set alone (it alone evaluates).  With --evaluate no one decodes the
+    training set: only its labels serve (its classes, an epoch's length for the schedule).  A
+    process group means "a share each": one that takes the CPU tensors the images are decoded
+    into (`Comm.cpu_group`)."""
     if comm is None or comm.world_size == 1:
-        return ALONE, ALONE
+        return SKIP if evaluate else ALONE, ALONE
     if not parameter_server:
         everyone = comm.cpu_group()
-        return everyone, everyone
-    workers = comm.cpu_group(range(1, comm.world_size))  # every rank must make it
+        return SKIP if evaluate else everyone, everyone
+    workers = SKIP if evaluate else comm.cpu_group(range(1, comm.world_size))  # all or none
     return (SKIP, ALONE) if comm.rank == 0 else (workers, SKIP)
 
 

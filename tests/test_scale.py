@@ -11,7 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from common import data, training
+import resnet_tinyimagenet
+from common import data, images, training
 from common.network import free_port
 from common.run import Run
 from datagen import make_tinyimagenet, write_damaged_image
@@ -28,7 +29,8 @@ from common import images, training
 training.LINE_EVERY = 0.0
 opened, real = [], images.open_rgb
 images.open_rgb = lambda path: opened.append(path) or real(path)
-atexit.register(lambda: print(f"rank {os.environ['RANK']} decoded {len(opened)}", flush=True))
+# one write of the whole line: the ranks share torchrun's stdout (print writes its end apart)
+atexit.register(lambda: sys.stdout.write(f"rank {os.environ['RANK']} decoded {len(opened)}\n"))
 sys.argv = sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -43,7 +45,7 @@ from common.launch import detect_launch
 from common.run import Run
 args = argparse.Namespace(dataset="tinyimagenet", data_dir=sys.argv[2], dummy=False,
                           download=False, workers=0, train_limit=None, test_limit=None, seed=0,
-                          backend="gloo", timeout=60)
+                          evaluate=False, backend="gloo", timeout=60)
 launch = detect_launch()
 run = Run("probe", ".", torch.device("cpu"), False, launch.rank, launch.world_size)
 with distributed.process_group(args, run, launch) as comm:
@@ -81,13 +83,25 @@ RUNS = {"sync_sgd_cifar100.py": 2, "async_sgd_cifar100.py": 3}  # ranks: 2; a se
 
 
 @pytest.fixture(scope="module")
-def counted(tiny_dir, tmp_path_factory):
+def folders(tmp_path_factory):
+    """A folder for each distributed main's runs below: the probe, and its --out in o/."""
+    return {script: tmp_path_factory.mktemp(script.split("_")[0]) for script in RUNS}
+
+
+@pytest.fixture(scope="module")
+def counted(tiny_dir, folders):
     """Each distributed main's log, run once for the tests below (torchrun starts are slow)."""
-    logs = {}
-    for script, ranks in RUNS.items():
-        tmp = tmp_path_factory.mktemp(script.split("_")[0])
-        logs[script] = torchrun(tmp, COUNTING_PROBE, ranks, script, *one_epoch(tiny_dir, tmp / "o"))
-    return logs
+    return {script: torchrun(folders[script], COUNTING_PROBE, ranks, script,
+                             *one_epoch(tiny_dir, folders[script] / "o"))
+            for script, ranks in RUNS.items()}
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_dir, folders, counted):
+    """Each distributed main's log with --evaluate of the checkpoint its run above wrote."""
+    return {script: torchrun(folders[script], COUNTING_PROBE, ranks, script,
+                             *one_epoch(tiny_dir, folders[script] / "o"), "--evaluate")
+            for script, ranks in RUNS.items()}
 
 
 @pytest.mark.parametrize("script,decoded", [
@@ -99,6 +113,31 @@ def test_the_ranks_decode_tinyimagenet_once_between_them(counted, script, decode
     for rank, count in decoded.items():
         assert f"rank {rank} decoded {count}\n" in counted[script], counted[script]
     assert "final test accuracy" in counted[script]
+
+
+@pytest.mark.parametrize("script,decoded", [
+    # sync SGD: each rank half of the test set alone (before: half of both sets)
+    ("sync_sgd_cifar100.py", {0: TEST // 2, 1: TEST // 2}),
+    # async SGD: the server the test set, the workers nothing (before: half the training set)
+    ("async_sgd_cifar100.py", {0: TEST, 1: 0, 2: 0})])
+def test_evaluate_decodes_no_training_image(evaluated, script, decoded):
+    """--evaluate tests a checkpoint: of the training set the mains need its labels alone (its
+    classes, an epoch's length), not the 100,000 images."""
+    for rank, count in decoded.items():
+        assert f"rank {rank} decoded {count}\n" in evaluated[script], evaluated[script]
+    assert "final test accuracy" in evaluated[script]
+
+
+def test_evaluate_alone_decodes_no_training_image(tiny_dir, monkeypatch):
+    """The same for one process (resnet_tinyimagenet.py --evaluate): the training set's labels
+    and classes, without its pixels."""
+    opened, real = [], images.open_rgb
+    monkeypatch.setattr(images, "open_rgb", lambda path: opened.append(path) or real(path))
+    args = resnet_tinyimagenet.parse_args(["--data-dir", str(tiny_dir), "--workers", "0",
+                                           "--evaluate"])
+    train, test = data.load_datasets("tinyimagenet", args)
+    assert len(opened) == TEST and len(test.images) == TEST
+    assert len(train) == TRAIN and len(train.images) == 0 and train.classes == test.classes
 
 
 @pytest.mark.parametrize("script,line", [
