@@ -74,15 +74,11 @@ def start_process_group(backend, launch, timeout, stop):
             "that address; the same command tries again")
     with stop.waiting(f"waiting for the other ranks at {where}", timeout + STARTUP_MARGIN, late,
                       PeerLost.exit_code), held_back_stderr():
-        try:
-            limit = datetime.timedelta(seconds=timeout)
-            if launch.launcher == "torchrun":
-                dist.init_process_group(backend, store=torchrun_store(launch, timeout),
-                                        rank=launch.rank, world_size=launch.world_size,
-                                        timeout=limit)
-            else:
-                dist.init_process_group(backend, init_method=f"tcp://{where}", rank=launch.rank,
-                                        world_size=launch.world_size, timeout=limit)
+        try:  # in torchrun's store, or in one that rank 0 serves at the master's address
+            meet = (dict(store=torchrun_store(launch, timeout)) if launch.launcher == "torchrun"
+                    else dict(init_method=f"tcp://{where}"))
+            dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout), **meet)
         except (RuntimeError, OSError) as exc:  # DistError, TimeoutError, refused connections
             if "EADDRINUSE" in str(exc) and os.environ.get("MASTER_PORT"):  # not one we drew
                 raise UserError(f"rank {launch.rank}: MASTER_PORT {launch.master_port} is in use "
