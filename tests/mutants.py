@@ -488,6 +488,17 @@ MUTANTS = [
            "x.reshape(32, 2, 32, 2, 3).mean(axis=(1, 3))", "x[::2, ::2]",
            (SCALE + "test_tiny_to_cifar_writes_cifar100_pickles_of_real_photos",),
            "64x64 shrunk to 32x32 by keeping every other pixel, not area averaging (aliasing)"),
+    Mutant("trivial-augment-one-operation-per-batch", "bench/augment.py",
+           "    choice = torch.randint(0, len(OPERATIONS) + 1, (b,), device=dev, generator=gen)\n",
+           "    choice = torch.randint(0, len(OPERATIONS) + 1, (1,), device=dev, "
+           "generator=gen).expand(b)\n",
+           ("tests/test_recipes.py::test_trivial_augment_draws_each_image_its_own_operation",),
+           "TrivialAugment draws one operation for the whole batch (torchvision's v2 on a batch)"),
+    Mutant("mixup-labels-left-unmixed", "bench/recipes.py",
+           "            yield mix(images, labels)\n", "            yield mix(images, labels)[0], labels\n",
+           ("tests/test_recipes.py::test_mixed_batches_carry_blended_targets_drawn_after_the_"
+            "batch_is_seeded",),
+           "MixUp and CutMix blend the images but leave the labels one-hot"),
     # -------------------------------------------------------------------------- bench/
     Mutant("merge-drops-a-later-files-straggler-pair", "bench/convergence.py",
            '            cfg["straggler"] = delay\n', '            cfg.setdefault("straggler", None)\n',

@@ -1,0 +1,137 @@
+"""bench/recipes.py, the recipes side by side, and the regularisers it tries (bench/augment.py):
+TrivialAugmentWide, random erasing, MixUp and CutMix, drawn per image on the device as
+torchvision draws them per image."""
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torchvision.transforms.v2 import functional as TF
+
+from helpers import ROOT, child_env
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # bench/ is no package; its names stay out
+import augment  # noqa: E402
+sys.path.remove(os.path.join(ROOT, "bench"))
+
+
+def photos(n=6, size=32):
+    x = torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(0))
+    x[n - 1] = x[n - 1] // 4 + 100  # a dull one, for the contrast operations
+    return x
+
+
+M = 12 / 30  # a strength of the 31 steps
+TORCHVISION = {  # each operation at strength M (sign +), as torchvision's TrivialAugmentWide
+    "brightness": lambda x: TF.adjust_brightness(x, 1 + M * 0.99),
+    "color": lambda x: TF.adjust_saturation(x, 1 + M * 0.99),
+    "contrast": lambda x: TF.adjust_contrast(x, 1 + M * 0.99),
+    "sharpness": lambda x: TF.adjust_sharpness(x, 1 + M * 0.99),
+    "posterize": lambda x: TF.posterize(x, 8 - round(M * 30 / 5)),
+    "solarize": lambda x: TF.solarize(x, 255 * (1 - M)),
+    "autocontrast": TF.autocontrast,
+    "equalize": TF.equalize,
+    # the sampling grid maps back: a shift or shear the other way, a draw as likely as this
+    "rotate": lambda x: TF.rotate(x, M * 135),
+    "translate_x": lambda x: TF.affine(x, 0.0, [-int(M * 32), 0], 1.0, [0.0, 0.0]),
+    "translate_y": lambda x: TF.affine(x, 0.0, [0, -int(M * 32)], 1.0, [0.0, 0.0]),
+    "shear_x": lambda x: TF.affine(x, 0.0, [0, 0], 1.0, [math.degrees(math.atan(M * 0.99)), 0]),
+    "shear_y": lambda x: TF.affine(x, 0.0, [0, 0], 1.0, [0, math.degrees(math.atan(M * 0.99))]),
+}
+
+
+@pytest.mark.parametrize("kind", augment.OPERATIONS)
+def test_each_operation_is_torchvisions_per_image(kind):
+    """Every image of the batch gets what torchvision's per-image operation gives it (to one
+    grey level on under 1 % of pixels: float rounding)."""
+    x = photos()
+    ours = augment.OPERATIONS[kind](x.float(), torch.full((6,), M), torch.ones(6), kind)
+    diff = (ours.round().to(torch.uint8).int() - TORCHVISION[kind](x).int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01, kind
+
+
+def test_trivial_augment_draws_each_image_its_own_operation():
+    """One operation per image, not one per batch: of 700 copies of one photo, a few come back
+    unchanged (the identity is 1 choice in 14; some operations are too at low strengths), and
+    the others differ among themselves."""
+    x = photos(1).expand(700, -1, -1, -1).contiguous()
+    out = augment.trivial_augment(x, torch.Generator().manual_seed(1))
+    assert out.dtype == torch.uint8 and out.shape == x.shape
+    unchanged = (out == x).flatten(1).all(1).float().mean().item()
+    assert 0.05 < unchanged < 0.2, unchanged
+    assert len({img.numpy().tobytes() for img in out}) > 200  # of 700 (1 if drawn per batch)
+
+
+def test_random_erasing_blanks_a_rectangle_of_about_p_of_the_images():
+    x = torch.full((2000, 3, 16, 16), 200, dtype=torch.uint8)
+    fill = torch.tensor([7, 7, 7])  # the mean colour
+    out = augment.random_erase(x, 0.25, torch.Generator().manual_seed(0), fill)
+    blank = out == 7
+    erased = blank.flatten(1).any(1)
+    assert 0.22 < erased.float().mean() < 0.28
+    assert torch.equal(blank.all(1), blank.any(1))  # every channel alike
+    for img in blank[erased][:50, 0]:  # a rectangle: its rows are one interval of columns
+        rows, cols = img.any(1).nonzero().flatten(), img.any(0).nonzero().flatten()
+        assert img[rows.min():rows.max() + 1, cols.min():cols.max() + 1].all()
+        assert img.sum() == len(rows) * len(cols)
+
+
+def test_mixup_mixes_the_images_and_their_labels_alike():
+    """MixUp: each image a blend of itself and its neighbour in the batch, its target the same
+    blend of their classes (labels left one-hot would teach the blend is the first class)."""
+    images = torch.arange(4.0).view(4, 1, 1, 1).expand(4, 3, 2, 2).contiguous()
+    mixed, target = augment.mixing(0.4, 0.0, 5)(images, torch.tensor([0, 1, 2, 3]))
+    lam = target[1, 1].item()
+    assert 0 < lam < 1 and torch.allclose(target.sum(1), torch.ones(4))
+    assert torch.allclose(target[1, 0], torch.tensor(1 - lam))  # its neighbour's class
+    assert torch.allclose(mixed[1], torch.full((3, 2, 2), lam * 1 + (1 - lam) * 0))
+
+
+@pytest.mark.parametrize("recipe, extra, lr", [
+    ("P2", [], 0.01), ("ours", ["--auto-augment", "ta_wide", "--random-erase", "0.5",
+                                "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"], None)])
+def test_recipes_train_the_script_with_the_recipes_optimizer_and_regularisers(
+        tmp_path, recipe, extra, lr):
+    """Two epochs of the script under a peer's recipe (P2: SGD at a constant 0.01 until its
+    epoch 20) and under ours with every regulariser: each epoch's row, and its line of flip
+    and EMA accuracies."""
+    out = tmp_path / recipe
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "recipes.py"), "--recipe", recipe, *extra,
+         "--", "--dummy", "--epochs", "2", "--train-limit", "64", "--test-limit", "32",
+         "--batch-size", "16", "--out", str(out)],
+        capture_output=True, text=True, env=child_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2
+    if lr is not None:
+        assert [float(r["lr"]) for r in rows] == [lr, lr]
+    with open(out / "extra.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    assert len(lines) == 2 and {"flip", "ema 0.999", "ema 0.9998 flip"} <= set(lines[0])
+    assert [line["test_acc"] for line in lines] == [float(r["test_acc"]) for r in rows]
+
+
+def test_mixed_batches_carry_blended_targets_drawn_after_the_batch_is_seeded():
+    """bench/recipes.py's MixUp/CutMix batches: class probabilities, blended (not one-hot),
+    and the same when the epoch is resumed at batch 2."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import recipes
+    sys.path.remove(os.path.join(ROOT, "bench"))
+    from common.data import ImageSet
+    from common.loader import DeviceLoader
+    data = ImageSet(photos(16, 8), torch.arange(16) % 4, ["a", "b", "c", "d"])
+    raw = dict(mean=(0.0, 0.0, 0.0), std=(1 / 255, 1 / 255, 1 / 255))
+    batches = recipes.mixed(augment.mixing(0.5, 1.0, 4))
+    whole = list(batches(DeviceLoader(data, 4, "cpu", train=True, **raw), 1))
+    assert all(y.shape == (4, 4) and torch.allclose(y.sum(1), torch.ones(4)) for _, y in whole)
+    assert any(y.max() < 0.99 for _, y in whole)
+    resumed = list(batches(DeviceLoader(data, 4, "cpu", train=True, **raw), 1, start=2))
+    for (x, y), (x_again, y_again) in zip(whole[2:], resumed):
+        assert torch.equal(x, x_again) and torch.equal(y, y_again)
