@@ -246,8 +246,8 @@ class Server:
                 inbox.expect(worker)
             self.last_update = time.perf_counter()
             self.epoch.busy += self.last_update - begin
-            if self.version % self.per_epoch == 0:
-                self.end_epoch()  # evaluate; checkpoint.pt, metrics.csv, curve.png
+            if self.version % self.per_epoch == 0:  # evaluate; checkpoint.pt, metrics.csv, ...
+                failure = self.end_epoch() or failure  # (NaN weights: everyone stops, exit 3)
             elif self.last_update - self.last_line >= training.LINE_EVERY:  # for a log file
                 self.last_line = self.last_update
                 self.run.log(training.progress_line(self.version, self.per_epoch,
@@ -308,9 +308,18 @@ class Server:
             pulled=epoch.pulled / updates)
         self.new_epoch()  # before the checkpoint: nothing of the next epoch is done yet
         self.keep_in_checkpoint()
-        self.folder.end_epoch(self.state, row, f" | {row['updates_per_s']:.1f} updates/s | "
-                              f"staleness mean {row['mean_staleness']:.2f} max "
-                              f"{row['max_staleness']} | {100 * row['pulled']:.0f}% pulled")
+        return self.saved(self.folder.end_epoch, self.state, row,
+                          f" | {row['updates_per_s']:.1f} updates/s | staleness mean "
+                          f"{row['mean_staleness']:.2f} max {row['max_staleness']} | "
+                          f"{100 * row['pulled']:.0f}% pulled")
+
+    @staticmethod
+    def saved(save, *args):
+        """None, or the NonFiniteLoss with which `save(*args)` refused NaN or inf weights."""
+        try:
+            return save(*args)  # None
+        except NonFiniteLoss as exc:
+            return exc
 
     def finish(self, finished, failure):
         """The last replies sent; the last (partial) epoch written, or the checkpoint a stopped
@@ -321,11 +330,12 @@ class Server:
             applied = self.position[worker] - self.resumed_at[worker]
             self.run.log(f"worker {worker}: {sent} gradients sent, {applied} applied")
         if self.epoch.staleness and failure is None:
-            self.end_epoch()  # updates after the last full epoch-equivalent
+            failure = self.end_epoch()  # updates after the last full epoch-equivalent
         if isinstance(failure, (Interrupted, PeerLost)):
             self.average_statistics()
             self.keep_in_checkpoint()
-            self.folder.save(self.state)  # the completed epochs' rows, the model as it is now
+            # the completed epochs' rows, the model as it is now (unless NaN: then exit 3)
+            failure = self.saved(self.folder.save, self.state) or failure
         self.heartbeat.stop()
         if not self.broken:
             release(finished, 0 if failure is None else failure.exit_code, self.run.log)

@@ -89,7 +89,8 @@ def stop_error(status, rank, hint):
     if status >= 128:
         return Interrupted(f"worker {rank}: stopped by the parameter server (signal); its "
                            f"checkpoint is written; {hint}", status - 128)
-    return NonFiniteLoss(f"worker {rank}: stopped by the parameter server (non-finite loss)")
+    return NonFiniteLoss(f"worker {rank}: stopped by the parameter server (the loss or the "
+                         "weights became NaN or inf; its line says which)")
 
 
 def wait_for_release(rank, hint):

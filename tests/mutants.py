@@ -447,6 +447,12 @@ MUTANTS = [
            ("tests/test_distributed.py", "-k", "state_of_views"),
            "the checkpoint is pickled for the other ranks, each tensor with its whole storage: "
            "an async server's 43 MB becomes 1.25 GB"),
+    Mutant("nan-server-leaves-its-workers-waiting", "async_sgd_cifar100.py",
+           "        except NonFiniteLoss as exc:\n            return exc\n",
+           "        except NonFiniteLoss:\n            raise\n",
+           ("tests/test_reliability.py", "-k", "weights_turn_nan"),
+           "an async server whose weights turn NaN exits alone: its workers wait out --timeout "
+           "and exit with the retryable 200"),
     # --------------------------------------------------------------------- real scale
     Mutant("no-progress-lines-in-a-log-file", "common/training.py",
            "        if self.bar is None and time.perf_counter() - self.last_line >= LINE_EVERY:\n",

@@ -550,6 +550,40 @@ def test_workers_done_during_an_epoch_end_longer_than_the_timeout_hear_the_heart
     assert [line.split(",")[0] for line in rows(out)] == ["1"]
 
 
+NAN_AT_EPOCH_END = (  # async_sgd_cifar100.py whose weights turn NaN at the end of epoch NAN_AT
+    "import os\n"
+    "import async_sgd_cifar100 as script\n"
+    "from common.run import execute\n"
+    "end_epoch = script.Server.end_epoch\n"
+    "def nan_end_epoch(self):\n"
+    "    if self.version == int(os.environ['NAN_AT']) * self.per_epoch:\n"
+    "        self.theta.fill_(float('nan'))\n"
+    "    return end_epoch(self)\n"
+    "script.Server.end_epoch = nan_end_epoch\n"
+    "execute(script.main)\n")
+
+
+@pytest.mark.parametrize("nan_at", [2, 3], ids=["workers-training", "workers-done"])
+def test_an_async_server_whose_weights_turn_nan_stops_its_workers(cifar_dir, tmp_path, nan_at):
+    """The server's weights are NaN when epoch 2 ends (the workers still train) or epoch 3, the
+    last (they are done, waiting to be released): no checkpoint of them is written, and every
+    rank ends with one line and the permanent 3, the last good checkpoint kept.  Before, the
+    server exited 3 alone and its workers waited out --timeout for the retryable 200."""
+    out = tmp_path / "async"
+    args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--epochs", "3", "--timeout", "60")
+    args[1:2] = ["-c", NAN_AT_EPOCH_END]
+    group = async_group(args, NAN_AT=str(nan_at))
+    try:
+        results = [(*p.communicate(timeout=TIMEOUT), p.returncode) for p in group]
+    finally:
+        for p in group:
+            p.kill()
+    for rank, (_, stderr, code) in enumerate(results):
+        assert code == 3 and len(stderr.strip().splitlines()) == 1, (rank, stderr)
+        assert "NaN or inf" in stderr and "Traceback" not in stderr, (rank, stderr)
+    assert state(out)["epoch"] == nan_at - 1
+
+
 def test_async_worker_gone_after_its_part_leaves_a_complete_run(cifar_dir, tmp_path):
     """Worker 2 finishes long before the slowed worker 1, and is killed while it waits to be
     released: the run is complete all the same, so the server ends with 0 (a traceback and 1
