@@ -1,5 +1,6 @@
 """The collectives the scripts use, on the device their backend takes; one that fails because
 another rank died or went silent is one line and the retryable exit 200 (common/peers.py)."""
+import datetime
 import functools
 import io
 from contextlib import nullcontext
@@ -122,6 +123,16 @@ class Comm:
             dist.broadcast(data, src=src)
             if data is not tensor.data:
                 tensor.data.copy_(data)
+
+    @before_training
+    def wait_for_everyone(self):
+        """A barrier that --timeout does not bound, where the ranks arrive apart by design
+        (async SGD's server decodes 10,000 images, each worker 100,000 / n): a rank that dies
+        still ends it at once, as its connection closes (gloo's; mpi has no timeout)."""
+        if self.world_size > 1 and self.backend == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(days=1))
+        elif self.world_size > 1:
+            dist.barrier()
 
     def average_buffers(self, model):
         """Average BatchNorm running statistics so that every rank evaluates one model."""

@@ -453,6 +453,12 @@ MUTANTS = [
            ("tests/test_reliability.py", "-k", "weights_turn_nan"),
            "an async server whose weights turn NaN exits alone: its workers wait out --timeout "
            "and exit with the retryable 200"),
+    Mutant("async-start-up-wait-bounded-by-the-timeout", "common/collectives.py",
+           '        if self.world_size > 1 and self.backend == "gloo":\n',
+           '        if False:\n',
+           ("tests/test_reliability.py", "-k", "decoding_longer_than_the_timeout"),
+           "the server's wait for workers still decoding counts against --timeout: a slow disk "
+           "makes every start a retryable 200, for ever"),
     # --------------------------------------------------------------------- real scale
     Mutant("no-progress-lines-in-a-log-file", "common/training.py",
            "        if self.bar is None and time.perf_counter() - self.last_line >= LINE_EVERY:\n",

@@ -584,6 +584,40 @@ def test_an_async_server_whose_weights_turn_nan_stops_its_workers(cifar_dir, tmp
     assert state(out)["epoch"] == nan_at - 1
 
 
+SLOW_WORKER_DECODING = (  # async SGD whose workers decode their images DECODE_SLEEP s slower
+    "import os, time\n"
+    "from common import data\n"
+    "decode = data.decode_shared\n"
+    "def slow(*args, **kwargs):\n"
+    "    if os.environ['RANK'] != '0':\n"
+    "        time.sleep(float(os.environ['DECODE_SLEEP']))\n"
+    "    return decode(*args, **kwargs)\n"
+    "data.decode_shared = slow\n"
+    "import async_sgd_cifar100 as script\n"
+    "from common.run import execute\n"
+    "execute(script.main)\n")
+
+
+def test_async_workers_decoding_longer_than_the_timeout_start_training(tiny_dir, tmp_path):
+    """On TinyImageNet the server decodes the 10,000 test images while each worker decodes
+    100,000 / n training images: on slow storage it waits for them longer than a short
+    --timeout.  That wait is start-up, not silence: the run trains (before, the server gave up
+    and every rank exited with the retryable 200, which a launcher retried for ever)."""
+    out = tmp_path / "async"
+    args = [sys.executable, "-c", SLOW_WORKER_DECODING, "--dataset", "tinyimagenet",
+            "--data-dir", str(tiny_dir), "--out", str(out), "--device", "cpu", "--epochs", "1",
+            "--batch-size", "8", "--workers", "0", "--timeout", "3"]
+    group = async_group(args, DECODE_SLEEP="8")
+    try:
+        results = [(*p.communicate(timeout=TIMEOUT), p.returncode) for p in group]
+    finally:
+        for p in group:
+            p.kill()
+    for stdout, stderr, code in results:
+        assert code == 0, stdout + stderr
+    assert [line.split(",")[0] for line in rows(out)] == ["1"]
+
+
 def test_async_worker_gone_after_its_part_leaves_a_complete_run(cifar_dir, tmp_path):
     """Worker 2 finishes long before the slowed worker 1, and is killed while it waits to be
     released: the run is complete all the same, so the server ends with 0 (a traceback and 1
