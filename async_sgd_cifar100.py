@@ -376,8 +376,9 @@ def main(argv=None):
     folder = RunFolder(args, run, TARGET if args.dataset == "cifar100" else None)
     with distributed.process_group(args, run, launch) as comm:
         comm.check_same_flags(args)  # one recipe for every rank
-        train_set, test_set = data.load_datasets(args.dataset, args, comm, parameter_server=True)
-        comm.wait_for_everyone()  # the server decoded fewer images: a wait, not silence
+        with comm.apart():  # the server decodes fewer images: its wait is not silence
+            train_set, test_set = data.load_datasets(args.dataset, args, comm,
+                                                     parameter_server=True)
         per_worker = math.ceil(len(train_set) / n_workers)  # DistributedSampler's shard size
         updates_per_epoch = math.ceil(per_worker / batch) * n_workers
         model = build_model(args.arch, len(train_set.classes), args.dropout)

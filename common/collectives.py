@@ -3,7 +3,7 @@ another rank died or went silent is one line and the retryable exit 200 (common/
 import datetime
 import functools
 import io
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -28,11 +28,15 @@ def before_training(method):
     rank that stopped before training began, or went silent, ends the others with one line."""
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
-        with peer_lost_as(lambda why: f"rank {self.rank} lost contact with another rank before "
-                                      f"training began ({why}); that rank's own output says "
-                                      "why; the same command tries again"):
+        with lost_before_training(self.rank):
             return method(self, *args, **kwargs)
     return guarded
+
+
+def lost_before_training(rank):
+    return peer_lost_as(lambda why: f"rank {rank} lost contact with another rank before "
+                                    f"training began ({why}); that rank's own output says why; "
+                                    "the same command tries again")
 
 
 class Comm:
@@ -124,15 +128,18 @@ class Comm:
             if data is not tensor.data:
                 tensor.data.copy_(data)
 
-    @before_training
-    def wait_for_everyone(self):
-        """A barrier that --timeout does not bound, where the ranks arrive apart by design
-        (async SGD's server decodes 10,000 images, each worker 100,000 / n): a rank that dies
-        still ends it at once, as its connection closes (gloo's; mpi has no timeout)."""
-        if self.world_size > 1 and self.backend == "gloo":
-            dist.monitored_barrier(timeout=datetime.timedelta(days=1))
-        elif self.world_size > 1:
-            dist.barrier()
+    @contextmanager
+    def apart(self):
+        """Around work the ranks do at different speeds by design (async SGD's server decodes
+        10,000 images, each worker 100,000 / n): then they meet in a barrier of a gloo group that
+        --timeout does not bound, made before they part.  A rank that dies meanwhile still ends
+        the wait at once, as its connection closes (mpi has no timeout to lift)."""
+        patient = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1)) \
+            if self.world_size > 1 and self.backend != "mpi" else None
+        yield
+        with lost_before_training(self.rank):
+            if self.world_size > 1:
+                dist.barrier(group=patient)
 
     def average_buffers(self, model):
         """Average BatchNorm running statistics so that every rank evaluates one model."""
