@@ -24,7 +24,7 @@ from common import checkpoint, inbox
 from common.messages import GRADIENT
 from common.network import free_port
 from datagen import make_cifar100, make_tinyimagenet
-from helpers import MPIRUN, ROOT, by_hand, child_env
+from helpers import MPIRUN, ROOT, by_hand, child_env, finish
 
 TIMEOUT = 240
 
@@ -538,15 +538,10 @@ def test_workers_done_during_an_epoch_end_longer_than_the_timeout_hear_the_heart
     out = tmp_path / "async"
     args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--epochs", "1", "--timeout", "4")
     args[1:2] = ["-c", SLOW_EPOCH_END]
-    group = async_group(args, EPOCH_END_SLEEP="8")
-    try:
-        results = [(*p.communicate(timeout=TIMEOUT), p.returncode) for p in group]
-    finally:
-        for p in group:
-            p.kill()
-    for stdout, stderr, code in results:
+    results = finish(async_group(args, EPOCH_END_SLEEP="8"), TIMEOUT)
+    for code, stdout, stderr in results:
         assert code == 0, stdout + stderr
-    assert "gone before it was released" not in results[0][0]
+    assert "gone before it was released" not in results[0][1]
     assert [line.split(",")[0] for line in rows(out)] == ["1"]
 
 
@@ -572,13 +567,8 @@ def test_an_async_server_whose_weights_turn_nan_stops_its_workers(cifar_dir, tmp
     out = tmp_path / "async"
     args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--epochs", "3", "--timeout", "60")
     args[1:2] = ["-c", NAN_AT_EPOCH_END]
-    group = async_group(args, NAN_AT=str(nan_at))
-    try:
-        results = [(*p.communicate(timeout=TIMEOUT), p.returncode) for p in group]
-    finally:
-        for p in group:
-            p.kill()
-    for rank, (_, stderr, code) in enumerate(results):
+    results = finish(async_group(args, NAN_AT=str(nan_at)), TIMEOUT)
+    for rank, (code, _, stderr) in enumerate(results):
         assert code == 3 and len(stderr.strip().splitlines()) == 1, (rank, stderr)
         assert "NaN or inf" in stderr and "Traceback" not in stderr, (rank, stderr)
     assert state(out)["epoch"] == nan_at - 1
@@ -607,13 +597,7 @@ def test_async_workers_decoding_longer_than_the_timeout_start_training(tiny_dir,
     args = [sys.executable, "-c", SLOW_WORKER_DECODING, "--dataset", "tinyimagenet",
             "--data-dir", str(tiny_dir), "--out", str(out), "--device", "cpu", "--epochs", "1",
             "--batch-size", "8", "--workers", "0", "--timeout", "3"]
-    group = async_group(args, DECODE_SLEEP="8")
-    try:
-        results = [(*p.communicate(timeout=TIMEOUT), p.returncode) for p in group]
-    finally:
-        for p in group:
-            p.kill()
-    for stdout, stderr, code in results:
+    for code, stdout, stderr in finish(async_group(args, DECODE_SLEEP="8"), TIMEOUT):
         assert code == 0, stdout + stderr
     assert [line.split(",")[0] for line in rows(out)] == ["1"]
 
