@@ -55,14 +55,15 @@ def pytest_configure(config):
 # After the slow modules, those that start many processes, the longest first (their minutes
 # on 2 cores): a long file handed out last ran alone for its last minute and a half while the
 # other worker had nothing left.  The quick modules fill the end.
-LONG_FIRST = ["test_reliability.py", "test_distributed.py", "test_scripts.py",
-              "test_multihost.py", "test_classic_bugs.py", "test_safety.py", "test_bench.py",
-              "test_workloads.py", "test_report.py", "test_readme.py"]
+LONG_FIRST = ["test_reliability.py", "test_distributed_faults.py", "test_scripts.py",
+              "test_multihost.py", "test_distributed.py", "test_classic_bugs.py",
+              "test_workloads.py", "test_readme.py", "test_safety.py", "test_scale.py",
+              "test_report.py", "test_bench.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):
     """The slow modules first, then LONG_FIRST, then the rest (a stable sort), so that under
-    `-n 2 --dist loadfile` the two workers end at about the same time."""
+    `-n 3 --dist loadfile` the workers end at about the same time."""
     def order(item):
         name = item.path.name
         rank = LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)

@@ -50,8 +50,8 @@ SYNC_END_TO_END_3 = BUGS + "test_sync_sgd_logs_the_accuracy_of_the_model_it_save
 EVALUATION = BUGS + ("test_evaluation_is_the_same_at_every_test_batch_size_and_leaves_the_"
                      "model_alone")
 RESUME = "tests/test_scripts.py::test_resume_continues_where_it_stopped"
-ASYNC_RESUME = ("tests/test_reliability.py::test_async_sgd_stopped_inside_an_epoch_trains_each_"
-                "batch_of_it_once")
+ASYNC_RESUME = ("tests/test_distributed_faults.py::test_async_sgd_stopped_inside_an_epoch_trains_"
+                "each_batch_of_it_once")
 RULE = BUGS + "test_async_server_applies_its_rule_to_stale_gradients"
 SCALE = "tests/test_scale.py::"
 RESUMED_BATCHES = ("tests/test_data.py::test_a_resumed_epoch_draws_each_batchs_crops_flips_and_"
@@ -362,13 +362,13 @@ MUTANTS = [
            "        except RuntimeError as exc:\n            return self.worker_lost(worker, exc, active)\n",
            "        except ZeroDivisionError as exc:\n"
            "            return self.worker_lost(worker, exc, active)\n",
-           ("tests/test_reliability.py", "-k", "stopping_keeps"),
+           ("tests/test_distributed_faults.py", "-k", "stopping_keeps"),
            "the server, stopping on SIGTERM, answers a worker that has died meanwhile: gloo's "
            "error escapes as a traceback and the checkpoint is never written"),
     Mutant("async-server-receives-from-any-source", "common/inbox.py",
            '        self.threaded = dist.get_backend() == "gloo"',
            "        self.threaded = False",
-           ("tests/test_reliability.py", "-k", "notices_a_killed or hung_worker"),
+           ("tests/test_distributed_faults.py", "-k", "notices_a_killed or hung_worker"),
            "the server receives from any source, as the slides' loop does: a worker killed or "
            "hung while it computes goes unnoticed, the others train on without its shard to "
            "the end of their epochs, and only then does --timeout end the run"),
@@ -376,7 +376,7 @@ MUTANTS = [
            "                peer, error = self.arrived.get(timeout=max(self.due[late] - "
            "time.monotonic(), 0))",
            "                peer, error = self.arrived.get()",
-           ("tests/test_reliability.py", "-k", "hung_worker"),
+           ("tests/test_distributed_faults.py", "-k", "hung_worker"),
            "the server waits for each worker without a limit: a hung worker is never named, "
            "and the others train on without its shard"),
     Mutant("async-no-heartbeat-to-the-workers-done", "common/inbox.py",
@@ -389,13 +389,13 @@ MUTANTS = [
            "            if failure is None or not (isinstance(failure, PeerLost) or "
            "is_peer_failure(exc)):",
            "            if not isinstance(failure, PeerLost):",
-           ("tests/test_reliability.py", "-k", "stopping_keeps"),
+           ("tests/test_distributed_faults.py", "-k", "stopping_keeps"),
            "a stop reply to a worker that has died fails when waited for: the server ends with "
            "a traceback before it writes the checkpoint"),
     Mutant("inbox-late-message-crashes-the-server", "common/inbox.py",
            "            if self.due.pop(peer, None) is None:",
            "            if self.due.pop(peer) is None:",
-           ("tests/test_reliability.py", "-k", "heard_from_just_after"),
+           ("tests/test_distributed_faults.py", "-k", "heard_from_just_after"),
            "a worker heard from just after its --timeout, while the server stops: KeyError, a "
            "traceback and exit 1, no checkpoint"),
     Mutant("checkpoint-of-nan-weights", "common/outputs.py",
@@ -407,13 +407,13 @@ MUTANTS = [
            "weights over the last good checkpoint"),
     Mutant("sync-stop-agreed-every-10-steps-only", "common/collectives.py",
            "        if step % every and step < steps:\n", "        if step % every:\n",
-           ("tests/test_reliability.py", "-k", "stop_together and sigterm"),
+           ("tests/test_distributed_faults.py", "-k", "stop_together and sigterm"),
            "the ranks agree on a stop every 10 steps of an epoch only: in a shorter epoch a "
            "SIGTERM is never honoured"),
     Mutant("sync-nan-loss-seen-by-one-rank-alone", "common/training.py",
            "            if self.comm is not None:  # every rank stops, not only the one that saw "
            "it\n                self.comm.all_reduce(self.first_bad, dist.ReduceOp.MIN)\n", "",
-           ("tests/test_reliability.py", "-k", "stop_together and nan"),
+           ("tests/test_distributed_faults.py", "-k", "stop_together and nan"),
            "a NaN loss on one rank stops that rank alone: without mpirun the others exit with "
            "the retryable 200, not 3"),
     Mutant("sync-stop-saves-rank-0s-batchnorm", "sync_sgd_cifar100.py",
@@ -432,7 +432,7 @@ MUTANTS = [
            "    if error:\n        raise UserError(error)\n",
            "    if error or (args.evaluate and not os.path.exists(path)):\n"
            "        raise UserError(error or f\"--evaluate: no checkpoint at {path}\")\n",
-           ("tests/test_reliability.py", "-k", "each_hosts_own_disk"),
+           ("tests/test_distributed_faults.py", "-k", "each_hosts_own_disk"),
            "sync --evaluate stops on a rank whose --out (another host's disk) has no "
            "checkpoint, though rank 0 reads it for all"),
     Mutant("broadcast-memory-as-it-lies", "common/collectives.py",
@@ -450,13 +450,13 @@ MUTANTS = [
     Mutant("nan-server-leaves-its-workers-waiting", "async_sgd_cifar100.py",
            "        except NonFiniteLoss as exc:\n            return exc\n",
            "        except NonFiniteLoss:\n            raise\n",
-           ("tests/test_reliability.py", "-k", "weights_turn_nan"),
+           ("tests/test_distributed_faults.py", "-k", "weights_turn_nan"),
            "an async server whose weights turn NaN exits alone: its workers wait out --timeout "
            "and exit with the retryable 200"),
     Mutant("async-start-up-wait-bounded-by-the-timeout", "common/collectives.py",
            "            if self.world_size > 1:\n                dist.barrier(group=patient)\n",
            "            pass\n",
-           ("tests/test_reliability.py", "-k", "decoding_longer_than_the_timeout"),
+           ("tests/test_distributed_faults.py", "-k", "decoding_longer_than_the_timeout"),
            "the server's wait for workers still decoding counts against --timeout: a slow disk "
            "makes every start a retryable 200, for ever"),
     # --------------------------------------------------------------------- real scale
