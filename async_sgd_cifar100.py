@@ -42,10 +42,9 @@ from common.run import start_run
 SCRIPT = "async_sgd_cifar100"
 TARGET = 60.0  # the homework's test-accuracy target, % (on cifar100)
 
-# The recipe: sync SGD's, each of N workers computing on --batch-size / N samples and each
-# update using --lr / N: 40 epochs; Nesterov momentum 0.9 (one buffer per worker, below); weight
-# decay 5e-4 on conv and linear weights; a linear warm-up to 0.1 over the first epoch, then a
-# cosine to 0, per update; random crop and flip; label smoothing 0.1 on the training loss.
+# The recipe (sync SGD's, split over the workers as above): 40 epochs; Nesterov momentum 0.9, one
+# buffer per worker (below); weight decay 5e-4 on conv and linear weights; a linear warm-up to 0.1
+# over epoch 1, then a cosine to 0, per update; random crop and flip; label smoothing 0.1.
 RECIPE = dict(epochs=40, batch_size=128, lr=0.1, momentum=0.9, weight_decay=5e-4,
               warmup_epochs=1.0, label_smoothing=0.1)
 PULL, PULL_FROM = 0.2, 2  # the rule's pull: P / N of the way back, from 2 updates stale
@@ -106,10 +105,10 @@ class Server:
     """Algorithm 2's parameter server: holds the parameters, applies each gradient as it
     arrives (`update`), evaluates and checkpoints once per epoch-equivalent of updates."""
 
-    def __init__(self, model, n_workers, args, run, test_loader, state, updates_per_epoch,
-                 positions, folder):
+    def __init__(self, model, n_workers, args, run, test_loader, state, per_epoch, positions,
+                 folder):
         self.model, self.args, self.run, self.test_loader = model, args, run, test_loader
-        self.state, self.folder, self.n, self.per_epoch = state, folder, n_workers, updates_per_epoch
+        self.state, self.folder, self.n, self.per_epoch = state, folder, n_workers, per_epoch
         self.workers = list(range(1, n_workers + 1))
         self.messages = Messages(model, args.batch_size // n_workers)
         self.theta = self.messages.flat_parameters()  # each update: a few passes over one vector
@@ -121,21 +120,19 @@ class Server:
         self.momentum_sum = torch.stack(list(self.momentum.values())).sum(0)
         self.gap = torch.empty_like(self.theta)
         # `sent`: the parameters each worker computes on (on a CPU, its reply's; on a GPU, a copy)
-        self.replies = {w: torch.zeros(self.messages.reply_size) for w in self.workers}
-        on_cpu = self.theta.device.type == "cpu"
+        self.replies = {w: torch.cat([torch.zeros(1), self.theta.cpu()]) for w in self.workers}
+        on_cpu = self.theta.device.type == "cpu"  # (every worker starts from theta)
         self.sent = {w: self.replies[w][1:] if on_cpu else self.theta.clone() for w in self.workers}
-        for w in self.workers:  # every worker starts from theta
-            self.sent[w].copy_(self.theta)
         self.position = dict(zip(self.workers, positions))  # where each is in its batches
         self.resumed_at = dict(self.position)
         self.version = sum(self.position.values())  # the updates done
         self.sent_version = {w: self.version for w in self.workers}
-        self.pending, self.gone, self.broken = {}, set(), False  # replies in flight; workers lost
+        self.pending, self.gone = {}, set()  # replies in flight; workers lost (None: unknown)
         self.statistics = {}  # each worker's latest BatchNorm running statistics
-        done = self.version % updates_per_epoch
+        done = self.version % per_epoch
         if done:  # a run stopped inside an epoch goes on with that epoch's bookkeeping
-            run.log(f"epoch {self.version // updates_per_epoch + 1} resumes after {done} of its "
-                    f"{updates_per_epoch} updates")
+            run.log(f"epoch {self.version // per_epoch + 1} resumes after {done} of its "
+                    f"{per_epoch} updates")
         self.new_epoch(state.extra.get("epoch_so_far") if done else None)
 
     def lr(self, version):
@@ -168,11 +165,9 @@ class Server:
         gradient.addcmul_(self.decay, theta)
         # 4. One momentum buffer per worker (DANA, Hakimi et al. 2019): a stale gradient moves
         #    only its own worker's buffer, v_i <- mu v_i + g, not the momentum all follow.
-        if n > 1:
-            self.momentum_sum.sub_(v)
+        self.momentum_sum.sub_(v)
         v.mul_(mu).add_(gradient)
-        if n > 1:
-            self.momentum_sum.add_(v)
+        self.momentum_sum.add_(v)
         # 5. torch's Nesterov step with that buffer, theta <- theta - lr (g + mu v_i): with one
         #    worker, torch.optim.SGD(nesterov=True) step for step.
         theta.sub_(gradient.add_(v, alpha=mu), alpha=lr)
@@ -182,11 +177,8 @@ class Server:
             theta.sub_(self.gap, alpha=pull)
         # 7. While it computes, N - 1 other updates move theta on, mostly along their momentum:
         #    it is sent theta - (N - 1) lr mean_j(v_j), where its next gradient will be applied.
-        if n == 1:  # nothing in flight
-            self.sent[worker].copy_(theta)
-        else:
-            torch.add(theta, self.momentum_sum, alpha=-(n - 1) * self.lr(self.version + 1) / n,
-                      out=self.sent[worker])
+        torch.add(theta, self.momentum_sum, alpha=-(n - 1) * self.lr(self.version + 1) / n,
+                  out=self.sent[worker])
         return bool(pull)
 
     def apply(self, worker, message):
@@ -257,7 +249,6 @@ class Server:
     def worker_lost(self, worker, error, active):
         """The PeerLost to stop with; `worker` leaves `active` (None, unknown: all, untold)."""
         why = lost_worker(worker, error, active, self.args.timeout)
-        self.broken = self.broken or worker is None
         active.difference_update(self.workers if worker is None else [worker])
         self.gone.add(worker)
         return PeerLost(f"the parameter server lost {why}; it saved the model after "
@@ -307,15 +298,15 @@ class Server:
             max_staleness=max(epoch.staleness), server_busy=epoch.busy / seconds,
             pulled=epoch.pulled / updates)
         self.new_epoch()  # before the checkpoint: nothing of the next epoch is done yet
-        self.keep_in_checkpoint()
         return self.saved(self.folder.end_epoch, self.state, row,
                           f" | {row['updates_per_s']:.1f} updates/s | staleness mean "
                           f"{row['mean_staleness']:.2f} max {row['max_staleness']} | "
                           f"{100 * row['pulled']:.0f}% pulled")
 
-    @staticmethod
-    def saved(save, *args):
-        """None, or the NonFiniteLoss with which `save(*args)` refused NaN or inf weights."""
+    def saved(self, save, *args):
+        """`save(*args)`, statistics averaged and bookkeeping kept: None, or NaN weights' error."""
+        self.average_statistics()
+        self.keep_in_checkpoint()
         try:
             return save(*args)  # None
         except NonFiniteLoss as exc:
@@ -324,7 +315,7 @@ class Server:
     def finish(self, finished, failure):
         """The last replies sent; the last (partial) epoch written, or the checkpoint a stopped
         run resumes from; each worker done released, with the exit status; `failure` raised."""
-        if not self.broken:  # else they may never complete
+        if None not in self.gone:  # else they may never complete
             wait_for_sends(self.pending, self.gone, failure)
         for worker, sent in sorted(finished.items()):
             applied = self.position[worker] - self.resumed_at[worker]
@@ -332,12 +323,10 @@ class Server:
         if self.epoch.staleness and failure is None:
             failure = self.end_epoch()  # updates after the last full epoch-equivalent
         if isinstance(failure, (Interrupted, PeerLost)):
-            self.average_statistics()
-            self.keep_in_checkpoint()
             # the completed epochs' rows, the model as it is now (unless NaN: then exit 3)
             failure = self.saved(self.folder.save, self.state) or failure
         self.heartbeat.stop()
-        if not self.broken:
+        if None not in self.gone:
             release(finished, 0 if failure is None else failure.exit_code, self.run.log)
         if failure is not None:
             raise failure
@@ -345,12 +334,11 @@ class Server:
 
 def resume_positions(state, n_workers, updates_per_epoch):
     """Where each worker resumes in its stream of batches: after those the server had applied
-    when it wrote the checkpoint, so that an epoch stopped inside trains each batch once.  A
-    checkpoint without them (or of another number of workers or batches) resumes at the start
-    of the interrupted epoch, its updates kept in the parameters."""
+    when it wrote the checkpoint, so that an epoch stopped inside trains each batch once.  Saved
+    for another number of batches (another --data-dir; resume refuses another world size) or
+    not at all: the start of the interrupted epoch, its updates kept in the parameters."""
     batches, saved = updates_per_epoch // n_workers, state.extra.get("positions")
-    if saved is not None and len(saved) == n_workers and sum(saved) == state.extra.get(
-            "updates") and state.extra.get("batches_per_worker") == batches:
+    if saved and state.extra.get("batches_per_worker") == batches:
         return [int(p) for p in saved]
     return [state.epoch * batches] * n_workers
 

@@ -82,18 +82,12 @@ def load(path, *, script, arch):
 def save(path, *, script, arch, model, optimizer, scheduler, epoch, rows, args, extra=None):
     """Everything needed to continue after `epoch` completed epochs."""
     state = {"format": FORMAT, "script": script, "arch": arch, "epoch": epoch,
-             "model": unwrap(model).state_dict(),
+             "model": model.state_dict(),
              "optimizer": optimizer.state_dict() if optimizer is not None else None,
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
              "rows": rows, "args": args, "extra": extra or {}}
     check_plain(state)
     atomic_write(path, lambda tmp: torch.save(state, tmp))
-
-
-def unwrap(model):
-    """The plain module inside DDP / torch.compile wrappers, for state_dicts."""
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
 
 
 @dataclass
@@ -109,10 +103,6 @@ class State:
         """The interrupted epoch's progress, once: the epochs after it start from step 0."""
         partial, self.partial = self.partial, None
         return partial
-
-    def add(self, row):
-        self.rows.append(row)
-        self.epoch = row["epoch"]
 
 
 # What a resumed run may change: where and how it runs, not what it computes. A larger --epochs
@@ -170,7 +160,7 @@ def resume(path, args, run, model, optimizer, scheduler, comm=None):
         raise UserError(error)
     if state is None:
         return State()
-    unwrap(model).load_state_dict(state["model"])
+    model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None:  # this command's schedule (a larger --epochs) at the step

@@ -89,13 +89,11 @@ class Comm:
         differ = recipe_difference(self.broadcast_state(ours), ours, set(ours) - RANK_FLAGS)
         anyone = torch.tensor([float(differ is not None)], device=self.device())
         dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
-        if differ:
-            raise UserError(f"rank {self.rank}: {differ[0]} is {differ[2]} here but {differ[1]} "
-                            "on rank 0; start every rank with the same flags")
         if anyone.item():
-            raise UserError(f"rank {self.rank}: another rank was started with other flags than "
-                            "rank 0 (its line names the flag); start every rank with the same "
-                            "flags")
+            why = (f"{differ[0]} is {differ[2]} here but {differ[1]} on rank 0" if differ else
+                   "another rank was started with other flags than rank 0 (its line names the "
+                   "flag)")
+            raise UserError(f"rank {self.rank}: {why}; start every rank with the same flags")
 
     @before_training
     def broadcast_state(self, obj, src=0):

@@ -53,8 +53,7 @@ def process_group(args, run, launch, backend=None):
             os.environ["GLOO_SOCKET_IFNAME"] = interface
             line += (f" | gloo interface {interface} (the route to the master; this host's name "
                      "gives only loopback; set GLOO_SOCKET_IFNAME to choose another)")
-    if launch.rank == 0:
-        print(line, flush=True)
+    run.log(line)
     if launch.world_size > 1:
         start_process_group(backend, launch, args.timeout, run.stop)
     try:

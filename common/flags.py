@@ -129,4 +129,3 @@ def add_distributed_flags(parser, backends=("auto", "gloo", "nccl", "mpi")):
                    help="seconds a collective may wait for the other ranks before failing")
     g.add_argument("--straggler-delay", type=non_negative_float, default=0.0, metavar="SECONDS",
                    help="make rank 1 sleep this long at each step (a slow rank)")
-    return g

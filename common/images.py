@@ -105,11 +105,8 @@ def decode_images(paths, out, workers):
     `workers` processes in parallel."""
     loader = torch.utils.data.DataLoader(DecodedImages(paths, out.shape[-1]), batch_size=512,
                                          num_workers=workers if len(paths) > 512 else 0)
-    start = 0
-    for batch in loader:
-        out[start:start + len(batch)] = batch
-        start += len(batch)
-    return out
+    for i, batch in enumerate(loader):  # in order, 512 a batch
+        out[i * 512:i * 512 + len(batch)] = batch
 
 
 def read_imagefolder(data_dir, image_size):

@@ -41,18 +41,14 @@ class Inbox:
     def receive(self, peer):
         while True:
             self.allowed[peer].acquire()
-            try:
-                # no gloo timeout: after one receive times out, gloo closes every pair
+            try:  # no gloo timeout (the class's docstring)
                 dist.irecv(self.messages[peer], src=peer).wait(datetime.timedelta(days=365))
             except RuntimeError as exc:  # it died (gloo's error says so)
                 self.arrived.put((peer, exc))
                 return
-            self.start_heartbeat_if_done(peer, self.messages[peer])
+            if self.messages[peer][0].item() == DONE:  # it waits for its release from now on
+                self.heartbeat.add(peer)
             self.arrived.put((peer, None))
-
-    def start_heartbeat_if_done(self, peer, message):
-        if message[0].item() == DONE:
-            self.heartbeat.add(peer)
 
     def expect(self, peer):
         """Receive `peer`'s next message (its buffer is free again) within the timeout."""
@@ -68,7 +64,8 @@ class Inbox:
                 peer = dist.recv(message)
             except RuntimeError as exc:
                 return None, None, exc
-            self.start_heartbeat_if_done(peer, message)
+            if message[0].item() == DONE:
+                self.heartbeat.add(peer)
             return peer, message, None
         while True:
             late = min(self.due, key=self.due.get)

@@ -108,11 +108,9 @@ def _launch_from_mpi(name, env):
     rank, size = comm.Get_rank(), comm.Get_size()
     local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank).Get_rank()
     hosts = comm.allgather(MPI.Get_processor_name())
-    where = None
     if rank == 0:
         addr = env.get("MASTER_ADDR") or ("127.0.0.1" if len(set(hosts)) == 1
                                           else reachable_address())
         port = int(env.get("MASTER_PORT") or free_port())
-        where = (addr, port)
-    addr, port = comm.bcast(where, root=0)
+    addr, port = comm.bcast((addr, port) if rank == 0 else None, root=0)
     return Launch(name, rank, size, local_rank, addr, port)

@@ -34,19 +34,20 @@ class ShardedLoader:
 
     def __init__(self, size, batch_size, device, *, train, mean, std, rank=0, world_size=1,
                  seed=0, image_size=None, channels_last=False):
-        self.size, self.batch_size, self.device = size, batch_size, torch.device(device)
-        self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, 0
+        self.batch_size, self.device = batch_size, torch.device(device)
+        self.rank, self.seed, self.epoch = rank, seed, 0
         self.image_size, self.channels_last = image_size, channels_last
         std = torch.tensor(std, device=device).view(1, 3, 1, 1)
         self.scale = 1.0 / (255.0 * std)
         self.shift = -torch.tensor(mean, device=device).view(1, 3, 1, 1) / std
         self.sampler = DistributedSampler(range(size), num_replicas=world_size, rank=rank,
-                                          shuffle=True, seed=seed) if train else None
+                                          shuffle=True, seed=seed) if train else \
+            range(rank, size, world_size)  # test: rank::world_size, unpadded
 
     def set_epoch(self, epoch):
         """A new permutation (and new crops and flips) for `epoch`."""
         self.epoch = epoch
-        if self.sampler is not None:
+        if isinstance(self.sampler, DistributedSampler):
             self.sampler.set_epoch(epoch)
 
     def epoch_batches(self, epoch, start=0):
@@ -62,15 +63,8 @@ class ShardedLoader:
         DROPOUT) for its dropout masks, (i, SAMPLE) for the i-th sample of an image folder."""
         return hash((self.seed, self.epoch, self.rank, *place)) % 2**63
 
-    def indices(self):
-        if self.sampler is not None:
-            return list(self.sampler)
-        return list(range(self.rank, self.size, self.world_size))
-
     def __len__(self):
-        samples = self.sampler.num_samples if self.sampler is not None else \
-            len(range(self.rank, self.size, self.world_size))
-        return math.ceil(samples / self.batch_size)
+        return math.ceil(len(self.sampler) / self.batch_size)  # no permutation drawn
 
     def __iter__(self):
         return self.batches()
@@ -97,7 +91,7 @@ class DeviceLoader(ShardedLoader):
         self.pad = data.images.shape[-1] // 8 if pad is None else pad
 
     def batches(self, start=0):
-        order = torch.tensor(self.indices(), dtype=torch.int64, device=self.device)
+        order = torch.tensor(list(self.sampler), dtype=torch.int64, device=self.device)
         gen = torch.Generator(self.device) if self.augment else None
         for k in range(start, len(self)):
             idx = order[k * self.batch_size:(k + 1) * self.batch_size]
@@ -134,7 +128,7 @@ class FolderLoader(ShardedLoader):
 
     def batches(self, start=0):
         """Each sample's crop and flip from (seed, epoch, rank, its place) alone (`SeededItems`)."""
-        keyed = [(self.seed_for(j, self.SAMPLE), i) for j, i in enumerate(self.indices())]
+        keyed = [(self.seed_for(j, self.SAMPLE), i) for j, i in enumerate(self.sampler)]
         loader = DataLoader(SeededItems(self.dataset), batch_size=self.batch_size,
                             sampler=keyed[start * self.batch_size:], num_workers=self.workers,
                             pin_memory=self.device.type == "cuda")

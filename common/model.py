@@ -67,17 +67,15 @@ class BasicBlock(nn.Module):
 class HW4ResNet(nn.Module):
     """Figure 1: conv1 -> BN -> ReLU -> Dropout -> conv2_x..conv5_x -> max pool -> FC."""
 
-    def __init__(self, num_classes=100, dropout=0.1, post_add_relu=True, zero_init_residual=True,
-                 stages=HW4_STAGES):
+    def __init__(self, num_classes=100, dropout=0.1, post_add_relu=True, zero_init_residual=True):
         super().__init__()
-        width = stages[0][0]
-        self.conv1 = conv3x3(3, width, stride=1)
-        self.bn1 = nn.BatchNorm2d(width)
+        in_channels = HW4_STAGES[0][0]
+        self.conv1 = conv3x3(3, in_channels, stride=1)
+        self.bn1 = nn.BatchNorm2d(in_channels)
         self.relu = nn.ReLU(inplace=True)
         self.dropout = nn.Dropout(dropout)
         layers = []
-        in_channels = width
-        for out_channels, blocks, stride in stages:
+        for out_channels, blocks, stride in HW4_STAGES:
             stage = [BasicBlock(in_channels, out_channels, stride, post_add_relu)]
             stage += [BasicBlock(out_channels, out_channels, 1, post_add_relu)
                       for _ in range(blocks - 1)]
@@ -86,19 +84,11 @@ class HW4ResNet(nn.Module):
         self.conv2_x, self.conv3_x, self.conv4_x, self.conv5_x = layers
         self.pool = nn.AdaptiveMaxPool2d(1)
         self.fc = nn.Linear(in_channels, num_classes)
-        self._init_weights(zero_init_residual)
-
-    def _init_weights(self, zero_init_residual):
-        for m in self.modules():
+        for m in self.modules():  # (BatchNorm starts at weight 1, bias 0: torch's default)
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-        if zero_init_residual:
-            for m in self.modules():
-                if isinstance(m, BasicBlock):
-                    nn.init.zeros_(m.bn2.weight)
+            elif isinstance(m, BasicBlock) and zero_init_residual:
+                nn.init.zeros_(m.bn2.weight)
 
     def forward(self, x):
         x = self.dropout(self.relu(self.bn1(self.conv1(x))))
@@ -126,10 +116,6 @@ def build_model(arch, num_classes, dropout=0.1):
 NAMES = {"resnet18": "ResNet-18", "resnet50": "ResNet-50"}
 
 
-def hub_checkpoint_dir():
-    return os.path.join(torch.hub.get_dir(), "checkpoints")
-
-
 def imagenet_weights(arch):
     """torchvision's default ImageNet weights enum for `arch` (ResNet-18: resnet18-f37072fd.pth)."""
     import torchvision.models as models
@@ -146,25 +132,23 @@ def load_imagenet_state_dict(arch, path=None):
     if path is not None:
         return _read_state_dict(path, arch)
     weights = imagenet_weights(arch)
-    cached = os.path.join(hub_checkpoint_dir(), weights_file(arch))  # where torchvision reads it
+    name = os.path.basename(weights.url)
+    cached = os.path.join(torch.hub.get_dir(), "checkpoints", name)  # where torchvision reads it
     try:
         # weights_only: a file someone put in the hub cache must not run code (torch.hub's
         # default is False; check_hash only applies to a fresh download).
         with warnings.catch_warnings():  # torch's notes on odd files would break the one line
             warnings.simplefilter("ignore")
             return weights.get_state_dict(progress=False, check_hash=True, weights_only=True)
-    except pickle.UnpicklingError:
-        raise UserError(f"{cached}: refused: not a plain state_dict (it could run code); "
-                        f"delete it and copy {weights_file(arch)} from {weights.url} "
-                        "there") from None
-    except (OSError, RuntimeError) as exc:  # URLError is an OSError
-        if os.path.isfile(cached):  # there, but not readable: truncated, say
-            raise UserError(f"{cached}: unreadable ({exc.__class__.__name__}); delete it and copy "
-                            f"{weights_file(arch)} from {weights.url} there, or pass --weights "
-                            "PATH") from None
+    except (OSError, RuntimeError, pickle.UnpicklingError) as exc:  # URLError is an OSError
+        why = ("refused: not a plain state_dict (it could run code)" if isinstance(
+            exc, pickle.UnpicklingError) else f"unreadable ({exc.__class__.__name__})")
+        if os.path.isfile(cached):  # there, but refused or not readable (truncated, say)
+            raise UserError(f"{cached}: {why}; delete it and copy {name} from {weights.url} "
+                            "there, or pass --weights PATH") from None
         raise UserError(
             f"cannot get the ImageNet {NAMES[arch]} weights ({exc.__class__.__name__}: {exc}); "
-            f"offline? copy {weights_file(arch)} (from {weights.url}) into {hub_checkpoint_dir()} "
+            f"offline? copy {name} (from {weights.url}) into {os.path.dirname(cached)} "
             f"or pass --weights PATH") from None
 
 
@@ -199,8 +183,10 @@ def load_backbone(model, state, source, arch):
     unexpected = [k for k in backbone if k not in own]
     wrong = [k for k in backbone if k in own and backbone[k].shape != own[k].shape]
     if missing or unexpected or wrong:
-        detail = (missing and f"missing {missing[0]}") or (unexpected and f"unexpected {unexpected[0]}") \
-            or f"shape of {wrong[0]} is {tuple(backbone[wrong[0]].shape)}, not {tuple(own[wrong[0]].shape)}"
+        k = (missing or unexpected or wrong)[0]  # the first one found, named
+        detail = (f"missing {k}" if missing else f"unexpected {k}" if unexpected else
+                  f"shape of {k} is {tuple(backbone[k].shape)}, not {tuple(own[k].shape)}")
         raise UserError(f"{source}: not a torchvision {NAMES[arch]} state_dict ({detail}, "
-                        f"{len(missing)} missing, {len(unexpected)} unexpected, {len(wrong)} mis-shaped)")
+                        f"{len(missing)} missing, {len(unexpected)} unexpected, "
+                        f"{len(wrong)} mis-shaped)")
     model.load_state_dict(backbone, strict=False)

@@ -6,6 +6,7 @@ import os
 import random
 import socket
 import struct
+from contextlib import suppress
 
 from .run import UserError
 
@@ -14,14 +15,12 @@ def reachable_address():
     """This host's address as other hosts see it: its fully qualified name's IP, unless that is
     a loopback address (Debian's /etc/hosts, containers); then the address of the interface of
     the default route, else of the first interface that is not loopback."""
-    usable = [a for a in addresses_of(socket.getfqdn()) if not is_loopback(a)]
-    if usable:
-        return usable[0]
     interfaces = interface_addresses()
     route = default_route_interface()
-    for name in ([route] if route in interfaces else []) + sorted(interfaces):
-        if not is_loopback(interfaces[name]):
-            return interfaces[name]
+    names = ([route] if route in interfaces else []) + sorted(interfaces)
+    for addr in addresses_of(socket.getfqdn()) + [interfaces[name] for name in names]:
+        if not is_loopback(addr):
+            return addr
     raise UserError(f"this host's name {socket.getfqdn()} resolves to a loopback address and no "
                     "other interface has an IPv4 address; set MASTER_ADDR to an address of rank "
                     "0's host that the other hosts reach")
@@ -59,14 +58,11 @@ def interface_addresses():
 
 def default_route_interface():
     """The interface of the IPv4 default route (Linux's /proc/net/route), or None."""
-    try:
-        with open("/proc/net/route") as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if len(fields) > 1 and fields[1] == "00000000":
-                    return fields[0]
-    except OSError:
-        pass
+    with suppress(OSError), open("/proc/net/route") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if len(fields) > 1 and fields[1] == "00000000":
+                return fields[0]
     return None
 
 

@@ -56,7 +56,7 @@ class RunFolder:
     def save(self, state, partial=None):
         """checkpoint.pt (with an interrupted epoch's `partial` progress), on the main rank."""
         model, optimizer, scheduler = self.trained  # never NaN weights: every rank checks
-        if not all(t.isfinite().all() for t in checkpoint.unwrap(model).state_dict().values()):
+        if not all(t.isfinite().all() for t in model.state_dict().values()):
             raise NonFiniteLoss(f"the weights became NaN or inf; the last good checkpoint in "
                                 f"{self.run.out} is kept; lower --lr or try --no-amp")
         if self.run.is_main:
@@ -76,7 +76,8 @@ class RunFolder:
     def end_epoch(self, state, row, note=""):
         """Log the epoch's line (and `note`), checkpoint it, and rewrite metrics.csv and
         curve.png (and add to tb/) as the checkpoint holds them."""
-        state.add(row)
+        state.rows.append(row)
+        state.epoch = row["epoch"]
         self.run.log(epoch_line(row, self.args.epochs) + note)
         self.save(state)  # resumable from here
         if not self.run.is_main:

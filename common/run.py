@@ -94,7 +94,7 @@ class StopRequest:
 
     def install(self):
         if threading.current_thread() is not threading.main_thread():
-            return self
+            return
         for sig in STOP_SIGNALS:
             signal.signal(sig, self.handle)
         read, self.wakeup = os.pipe()
@@ -102,7 +102,6 @@ class StopRequest:
         signal.set_wakeup_fd(self.wakeup, warn_on_full_buffer=False)
         self.stderr = os.dup(2)  # stays the real stderr while start-up holds fd 2 back
         threading.Thread(target=self.watch, args=(read,), daemon=True).start()
-        return self
 
     def handle(self, signum, frame):
         self.signum = self.signum or signum
@@ -214,12 +213,10 @@ def default_amp(device):
     faster than fp32); elsewhere bf16 is emulated and slower, so fp32."""
     if device.type == "cuda":
         return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return device.type == "cpu" and ("avx512_bf16" in flags or "amx_bf16" in flags)
+    with suppress(OSError), open("/proc/cpuinfo") as f:
+        flags = f.read()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    return False  # no /proc/cpuinfo: not Linux
 
 
 def start_run(args, script, rank=0, world_size=1, local_rank=0):

@@ -41,10 +41,10 @@ def warmup_cosine(optimizer, args, steps_per_epoch):
 
 class EpochMetrics:
     """Loss and accuracy of one training pass over this rank's shard and its time, from the step
-    a stopped pass reached (`resumed`, what `partial()` gave its checkpoint).  Summed on the
-    device and read every LOG_EVERY steps or for a progress line only (the GPU seldom waits
-    for the host), raising NonFiniteLoss at the first bad step.  With `comm`, the totals are over every rank.  Progress
-    shows as a bar on a terminal; in a log file (mpirun, PBS, nohup) as a line a minute."""
+    a stopped pass reached (`resumed`, what `partial()` gave its checkpoint), over every rank
+    with `comm`.  Summed on the device, read only every LOG_EVERY steps or for a progress line
+    (the GPU seldom waits), raising NonFiniteLoss at the first bad step.  Progress shows as a
+    bar on a terminal; in a log file (mpirun, PBS, nohup) as a line a minute."""
 
     def __init__(self, run, epoch, steps, lr, resumed=None, comm=None):
         resumed = resumed or {"step": 0, "totals": [0.0, 0.0, 0.0], "seconds": 0.0, "lr": lr}
