@@ -13,7 +13,8 @@ classification reference names them: --auto-augment ta_wide, --random-erase P, -
 Each epoch the run also writes to --out/extra.jsonl the test accuracy with flip averaging
 (the image and its mirror, softmax averaged), and that of exponential moving averages of the
 weights (EMA, `torch.optim.swa_utils`, decays per step below), without and with flips: what
-they would add, from the same run.  Like the script, a run stopped resumes; its EMA restarts.
+they would add, from the same run.  Like the script, a run stopped resumes; its EMAs resume
+from --out/ema.pt, as the last epoch's end left them.
 
 The peers (read from their repositories; the same network, each with its dropout after conv1):
 P1 Adam 1e-3, constant, batch 128, crop + flip, dropout 0.5 (the common one);
@@ -75,9 +76,13 @@ def optimizer_of(kind, found):
 def follow(found):
     model, emas = found["model"], found.setdefault("emas", {})
     if not emas:
+        saved = torch.load(found["ema_file"], weights_only=True) \
+            if os.path.exists(found["ema_file"]) else {}  # as the last epoch left them
         for decay in EMA_DECAYS:
             emas[decay] = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay),
                                         use_buffers=True)
+            if str(decay) in saved:
+                emas[decay].load_state_dict(saved[str(decay)])
     for ema in emas.values():
         ema.update_parameters(model)
 
@@ -152,7 +157,7 @@ def main():
     flags, kind, milestones = RECIPES[a.recipe]
     argv = flags + a.script_flags
     args = resnet_cifar100.parse_args(argv)
-    found = {}
+    found = {"ema_file": os.path.join(args.out, "ema.pt")}
     torch.optim.SGD = optimizer_of(kind, found)  # what resnet_cifar100.main builds
     if milestones is not None:
         training.warmup_cosine = step_schedule(milestones)
@@ -166,8 +171,9 @@ def main():
     resnet_cifar100.build_model = lambda *args_, **kw: found.setdefault("model",
                                                                          build(*args_, **kw))
     out, evaluate = args.out, training.evaluate
-    if args.fresh and os.path.exists(os.path.join(out, "extra.jsonl")):
-        os.remove(os.path.join(out, "extra.jsonl"))
+    for name in ("extra.jsonl", "ema.pt"):
+        if args.fresh and os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
 
     def evaluate_all(model, test_loader, run, comm=None):
         loss, acc = evaluate(model, test_loader, run, comm)
@@ -177,6 +183,10 @@ def main():
             extra[f"ema {decay} flip"] = accuracy(ema, test_loader, run, True)
         with open(os.path.join(out, "extra.jsonl"), "a") as f:
             f.write(json.dumps(extra) + "\n")
+        if found.get("emas"):  # for a resume: each epoch's end, whole or not at all
+            torch.save({str(d): e.state_dict() for d, e in found["emas"].items()},
+                       found["ema_file"] + ".tmp")
+            os.replace(found["ema_file"] + ".tmp", found["ema_file"])
         run.log(" | ".join(f"{k} {v:.2f}" for k, v in extra.items()))
         return loss, acc
     training.evaluate = evaluate_all
