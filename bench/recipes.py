@@ -95,9 +95,10 @@ def step_schedule(milestones):
 
 
 def augmented(a, rotation, fill):
-    """The script's crop and flip of a uint8 batch, then what `a` asks for, per image: a
+    """The script's crop and flip of a uint8 batch, then what `a` asks for: per image, a
     rotation by up to `rotation` degrees either way (torchvision's RandomRotation: nearest
-    pixel, zeros outside), TrivialAugmentWide, random erasing (to `fill`, the mean colour)."""
+    pixel, zeros outside); TrivialAugmentWide (per group of TA_GROUP images); per image,
+    random erasing (to `fill`, the mean colour)."""
     crop_flip = loader.random_crop_flip
 
     def augment_batch(x, pad, gen):
@@ -106,9 +107,22 @@ def augmented(a, rotation, fill):
             m = torch.rand(x.shape[0], device=x.device, generator=gen) * rotation / 135
             x = augment._affine(x.float(), m, torch.ones_like(m), "rotate").to(x.dtype)
         if a.auto_augment == "ta_wide":
-            x = augment.trivial_augment(x, gen)
+            x = trivial_augment_groups(x, gen)
         return augment.random_erase(x, a.random_erase, gen, fill) if a.random_erase else x
     return augment_batch
+
+
+TA_GROUP = 8  # images that share one TrivialAugment draw
+
+
+def trivial_augment_groups(x, gen):
+    """torchvision's TrivialAugmentWide, one operation and strength drawn per TA_GROUP images
+    (a few calls a batch, not one per image); its draws come from the global generator, seeded
+    here from the batch's (the loader seeds it again for the dropout masks after the batch)."""
+    from torchvision.transforms import v2
+    torch.manual_seed(int(torch.randint(2**62, (), generator=gen, device=gen.device)))
+    ta = v2.TrivialAugmentWide()
+    return torch.cat([ta(part) for part in x.split(TA_GROUP)])
 
 
 def mixed(mix):
