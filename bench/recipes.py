@@ -7,9 +7,10 @@ checkpoints and resume), on a CIFAR-100-shaped folder (bench/tiny_to_cifar.py).
 
 A recipe's optimizer and schedule are put in place of the script's; its other choices are the
 script's own flags.  After `--` come flags for resnet_cifar100.py (they win over the recipe's).
-The regularisers to try (bench/augment.py) are this benchmark's flags, named as torchvision's
-classification reference names them: --auto-augment ta_wide, --random-erase P, --mixup-alpha A,
---cutmix-alpha A; they are drawn per batch as the script draws its crops, flips and masks.
+The regularisers to try are this benchmark's flags, named as torchvision's classification
+reference names them: --auto-augment ta_wide (torchvision's TrivialAugmentWide, one draw per
+8 images), --random-erase P, --mixup-alpha A, --cutmix-alpha A (bench/augment.py); they are
+drawn per batch as the script draws its crops, flips and masks.
 Each epoch the run also writes to --out/extra.jsonl the test accuracy with flip averaging
 (the image and its mirror, softmax averaged), and that of exponential moving averages of the
 weights (EMA, `torch.optim.swa_utils`, decays per step below), without and with flips: what
@@ -104,8 +105,7 @@ def augmented(a, rotation, fill):
     def augment_batch(x, pad, gen):
         x = crop_flip(x, pad, gen)
         if rotation:
-            m = torch.rand(x.shape[0], device=x.device, generator=gen) * rotation / 135
-            x = augment._affine(x.float(), m, torch.ones_like(m), "rotate").to(x.dtype)
+            x = augment.rotate(x, rotation, gen)
         if a.auto_augment == "ta_wide":
             x = trivial_augment_groups(x, gen)
         return augment.random_erase(x, a.random_erase, gen, fill) if a.random_erase else x

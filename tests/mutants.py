@@ -13,7 +13,7 @@ should; "survived": they all passed -- the suite cannot tell the bug from the re
 "error": the edit no longer applies (its original text is not found exactly once: the mutant is
 stale and must be updated with the code), or the tests timed out or could not run.  First, the
 same tests run once on an unmutated copy: a failure there would pass for a kill, so the run
-stops (exit status 2).  The working tree is never changed.  Its 85 mutants took about
+stops (exit status 2).  The working tree is never changed.  Its 86 mutants take about
 20 minutes on 2 cores.
 """
 import argparse
@@ -524,12 +524,15 @@ MUTANTS = [
            "        return SKIP if evaluate else ALONE, ALONE\n", "        return ALONE, ALONE\n",
            (SCALE + "test_evaluate_alone_decodes_no_training_image",),
            "resnet_tinyimagenet.py --evaluate decodes all training JPEGs"),
-    Mutant("trivial-augment-one-operation-per-batch", "bench/augment.py",
-           "    choice = torch.randint(0, len(OPERATIONS) + 1, (b,), device=dev, generator=gen)\n",
-           "    choice = torch.randint(0, len(OPERATIONS) + 1, (1,), device=dev, "
-           "generator=gen).expand(b)\n",
-           ("tests/test_recipes.py::test_trivial_augment_draws_each_image_its_own_operation",),
+    Mutant("trivial-augment-one-operation-per-batch", "bench/recipes.py",
+           "for part in x.split(TA_GROUP)", "for part in [x]",
+           ("tests/test_recipes.py::test_trivial_augment_draws_one_operation_per_group_of_images",),
            "TrivialAugment draws one operation for the whole batch (torchvision's v2 on a batch)"),
+    Mutant("rotation-one-way-only", "bench/augment.py",
+           "* 2 - 1) * math.radians(degrees)", ") * math.radians(degrees)",
+           ("tests/test_recipes.py::test_rotation_is_torchvisions_per_image_within_the_range_"
+            "either_way",),
+           "P2's rotation turns every image the same way (0 to 15 degrees, not -15 to 15)"),
     Mutant("mixup-labels-left-unmixed", "bench/recipes.py",
            "            yield mix(images, labels)\n", "            yield mix(images, labels)[0], labels\n",
            ("tests/test_recipes.py::test_mixed_batches_carry_blended_targets_drawn_after_the_"

@@ -1,6 +1,6 @@
-"""bench/recipes.py, the recipes side by side, and the regularisers it tries (bench/augment.py):
-TrivialAugmentWide, random erasing, MixUp and CutMix, drawn per image on the device as
-torchvision draws them per image."""
+"""bench/recipes.py, the recipes side by side, and the regularisers it tries: torchvision's
+TrivialAugmentWide one draw per group of images, and (bench/augment.py) rotation and random
+erasing drawn per image on the device as torchvision draws them per image, MixUp and CutMix."""
 import csv
 import json
 import math
@@ -26,45 +26,38 @@ def photos(n=6, size=32):
     return x
 
 
-M = 12 / 30  # a strength of the 31 steps
-TORCHVISION = {  # each operation at strength M (sign +), as torchvision's TrivialAugmentWide
-    "brightness": lambda x: TF.adjust_brightness(x, 1 + M * 0.99),
-    "color": lambda x: TF.adjust_saturation(x, 1 + M * 0.99),
-    "contrast": lambda x: TF.adjust_contrast(x, 1 + M * 0.99),
-    "sharpness": lambda x: TF.adjust_sharpness(x, 1 + M * 0.99),
-    "posterize": lambda x: TF.posterize(x, 8 - round(M * 30 / 5)),
-    "solarize": lambda x: TF.solarize(x, 255 * (1 - M)),
-    "autocontrast": TF.autocontrast,
-    "equalize": TF.equalize,
-    # the sampling grid maps back: a shift or shear the other way, a draw as likely as this
-    "rotate": lambda x: TF.rotate(x, M * 135),
-    "translate_x": lambda x: TF.affine(x, 0.0, [-int(M * 32), 0], 1.0, [0.0, 0.0]),
-    "translate_y": lambda x: TF.affine(x, 0.0, [0, -int(M * 32)], 1.0, [0.0, 0.0]),
-    "shear_x": lambda x: TF.affine(x, 0.0, [0, 0], 1.0, [math.degrees(math.atan(M * 0.99)), 0]),
-    "shear_y": lambda x: TF.affine(x, 0.0, [0, 0], 1.0, [0, math.degrees(math.atan(M * 0.99))]),
-}
+def test_rotation_is_torchvisions_per_image_within_the_range_either_way():
+    """P2's rotation: each image its own angle, drawn within 15 degrees either way, and the
+    image torchvision's rotate gives at some angle of that range, zeros outside (but for under
+    1 % of pixels, which float rounding sends to a neighbouring pixel)."""
+    x = photos(1).expand(400, -1, -1, -1).contiguous()
+    out = augment.rotate(x, 15.0, torch.Generator().manual_seed(0))
+    angles = torch.arange(-15.0, 15.001, 0.02)
+    candidates = torch.stack([TF.rotate(x[0], a.item()) for a in angles])
+    found = []
+    for img in out[:40]:
+        differ = (candidates != img).flatten(1).float().mean(1)
+        assert differ.min() < 0.01  # some angle within the range gives this image
+        found.append(angles[differ.argmin()].item())
+    assert min(found) < -5 and max(found) > 5  # both ways, not one
+    assert len({img.numpy().tobytes() for img in out}) > 100
 
 
-@pytest.mark.parametrize("kind", augment.OPERATIONS)
-def test_each_operation_is_torchvisions_per_image(kind):
-    """Every image of the batch gets what torchvision's per-image operation gives it (to one
-    grey level on under 1 % of pixels: float rounding)."""
-    x = photos()
-    ours = augment.OPERATIONS[kind](x.float(), torch.full((6,), M), torch.ones(6), kind)
-    diff = (ours.round().to(torch.uint8).int() - TORCHVISION[kind](x).int()).abs()
-    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.01, kind
-
-
-def test_trivial_augment_draws_each_image_its_own_operation():
-    """One operation per image, not one per batch: of 700 copies of one photo, a few come back
-    unchanged (the identity is 1 choice in 14; some operations are too at low strengths), and
-    the others differ among themselves."""
-    x = photos(1).expand(700, -1, -1, -1).contiguous()
-    out = augment.trivial_augment(x, torch.Generator().manual_seed(1))
+def test_trivial_augment_draws_one_operation_per_group_of_images():
+    """bench/recipes.py's TrivialAugmentWide: torchvision's, one draw per TA_GROUP images (a
+    few calls a batch): copies of one photo come back alike within a group, and the groups
+    differ; the same batch generator gives the same batch."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import recipes
+    sys.path.remove(os.path.join(ROOT, "bench"))
+    x = photos(1, 16).expand(16 * recipes.TA_GROUP, -1, -1, -1).contiguous()
+    out = recipes.trivial_augment_groups(x, torch.Generator().manual_seed(1))
     assert out.dtype == torch.uint8 and out.shape == x.shape
-    unchanged = (out == x).flatten(1).all(1).float().mean().item()
-    assert 0.05 < unchanged < 0.2, unchanged
-    assert len({img.numpy().tobytes() for img in out}) > 200  # of 700 (1 if drawn per batch)
+    groups = [{img.numpy().tobytes() for img in g} for g in out.split(recipes.TA_GROUP)]
+    assert all(len(g) == 1 for g in groups)
+    assert len(set().union(*groups)) >= 8  # of 16 groups (the identity is 1 choice in 14)
+    again = recipes.trivial_augment_groups(x, torch.Generator().manual_seed(1))
+    assert torch.equal(out, again)
 
 
 def test_random_erasing_blanks_a_rectangle_of_about_p_of_the_images():
