@@ -11,10 +11,11 @@ The regularisers to try are this benchmark's flags, named as torchvision's class
 reference names them: --auto-augment ta_wide (torchvision's TrivialAugmentWide, one draw per
 8 images), --random-erase P, --mixup-alpha A, --cutmix-alpha A (bench/augment.py); they are
 drawn per batch as the script draws its crops, flips and masks.
-Each epoch the run also writes to --out/extra.jsonl the test accuracy with flip averaging
-(the image and its mirror, softmax averaged), and that of exponential moving averages of the
-weights (EMA, `torch.optim.swa_utils`, decays per step below), without and with flips: what
-they would add, from the same run.  Like the script, a run stopped resumes; its EMAs resume
+Each epoch the run also writes a line to --out/extra.jsonl; every --extra-every epochs and at
+the last, with the test accuracy with flip averaging (the image and its mirror, softmax
+averaged), and that of exponential moving averages of the weights (EMA,
+`torch.optim.swa_utils`, decays per step below), without and with flips: what they would add,
+from the same run.  Like the script, a run stopped resumes; its EMAs resume
 from --out/ema.pt, as the last epoch's end left them.
 
 The peers (read from their repositories; the same network, each with its dropout after conv1):
@@ -166,6 +167,9 @@ def main():
     p.add_argument("--random-erase", type=float, default=0.0, metavar="P")
     p.add_argument("--mixup-alpha", type=float, default=0.0)
     p.add_argument("--cutmix-alpha", type=float, default=0.0)
+    p.add_argument("--extra-every", type=int, default=5, metavar="N",
+                   help="flip and EMA accuracies every N epochs and at the last (each costs "
+                        "six more passes over the test set)")
     p.add_argument("script_flags", nargs="*", help="after --: resnet_cifar100.py's flags")
     a = p.parse_args()
     flags, kind, milestones = RECIPES[a.recipe]
@@ -189,12 +193,22 @@ def main():
         if args.fresh and os.path.exists(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
 
+    train = resnet_cifar100.train_one_epoch
+
+    def train_noting_the_epoch(*args_, **kw):
+        found["epoch"] = args_[5] + 1  # (model, criterion, optimizer, scheduler, loader, epoch)
+        return train(*args_, **kw)
+    resnet_cifar100.train_one_epoch = train_noting_the_epoch
+
     def evaluate_all(model, test_loader, run, comm=None):
         loss, acc = evaluate(model, test_loader, run, comm)
-        extra = {"test_acc": acc, "flip": accuracy(model, test_loader, run, True)}
-        for decay, ema in found.get("emas", {}).items():
-            extra[f"ema {decay}"] = accuracy(ema, test_loader, run, False)
-            extra[f"ema {decay} flip"] = accuracy(ema, test_loader, run, True)
+        epoch = found.get("epoch")  # None under --evaluate
+        extra = {"epoch": epoch, "test_acc": acc}
+        if epoch is None or epoch % a.extra_every == 0 or epoch == args.epochs:
+            extra["flip"] = accuracy(model, test_loader, run, True)
+            for decay, ema in found.get("emas", {}).items():
+                extra[f"ema {decay}"] = accuracy(ema, test_loader, run, False)
+                extra[f"ema {decay} flip"] = accuracy(ema, test_loader, run, True)
         with open(os.path.join(out, "extra.jsonl"), "a") as f:
             f.write(json.dumps(extra) + "\n")
         if found.get("emas"):  # for a resume: each epoch's end, whole or not at all

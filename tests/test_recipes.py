@@ -91,13 +91,13 @@ def test_mixup_mixes_the_images_and_their_labels_alike():
 def test_recipes_train_the_script_with_the_recipes_optimizer_and_regularisers(
         tmp_path, recipe, extra, lr):
     """Two epochs of the script under a peer's recipe (P2: SGD at a constant 0.01 until its
-    epoch 20) and under ours with every regulariser: each epoch's row, and its line of flip
-    and EMA accuracies."""
+    epoch 20) and under ours with every regulariser: each epoch's row and its line, with the
+    flip and EMA accuracies at the last."""
     out = tmp_path / recipe
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "recipes.py"), "--recipe", recipe, *extra,
-         "--", "--dummy", "--epochs", "2", "--train-limit", "64", "--test-limit", "32",
-         "--batch-size", "16", "--out", str(out)],
+         "--extra-every", "3", "--", "--dummy", "--epochs", "2", "--train-limit", "64",
+         "--test-limit", "32", "--batch-size", "16", "--out", str(out)],
         capture_output=True, text=True, env=child_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr
     with open(out / "metrics.csv") as f:
@@ -107,7 +107,9 @@ def test_recipes_train_the_script_with_the_recipes_optimizer_and_regularisers(
         assert [float(r["lr"]) for r in rows] == [lr, lr]
     with open(out / "extra.jsonl") as f:
         lines = [json.loads(line) for line in f]
-    assert len(lines) == 2 and {"flip", "ema 0.999", "ema 0.9998 flip"} <= set(lines[0])
+    assert [line["epoch"] for line in lines] == [1, 2]
+    assert "flip" not in lines[0]  # not an epoch of --extra-every 3, nor the last
+    assert {"flip", "ema 0.999", "ema 0.9998 flip"} <= set(lines[1])
     assert [line["test_acc"] for line in lines] == [float(r["test_acc"]) for r in rows]
 
 
