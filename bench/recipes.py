@@ -37,7 +37,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import resnet_cifar100  # noqa: E402
 import augment  # noqa: E402
-from common import loader, training  # noqa: E402
+from common import checkpoint, loader, training  # noqa: E402
 from common.run import execute  # noqa: E402
 
 PEER = ["--label-smoothing", "0", "--warmup-epochs", "0", "--momentum", "0"]
@@ -78,7 +78,7 @@ def optimizer_of(kind, found):
 def follow(found):
     model, emas = found["model"], found.setdefault("emas", {})
     if not emas:
-        saved = torch.load(found["ema_file"], weights_only=True) \
+        saved = checkpoint.load_plain(found["ema_file"]) \
             if os.path.exists(found["ema_file"]) else {}  # as the last epoch left them
         for decay in EMA_DECAYS:
             emas[decay] = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay),
@@ -212,10 +212,9 @@ def main():
         with open(os.path.join(out, "extra.jsonl"), "a") as f:
             f.write(json.dumps(extra) + "\n")
         if found.get("emas"):  # for a resume: each epoch's end, whole or not at all
-            torch.save({str(d): e.state_dict() for d, e in found["emas"].items()},
-                       found["ema_file"] + ".tmp")
-            os.replace(found["ema_file"] + ".tmp", found["ema_file"])
-        run.log(" | ".join(f"{k} {v:.2f}" for k, v in extra.items()))
+            states = {str(d): e.state_dict() for d, e in found["emas"].items()}
+            checkpoint.atomic_write(found["ema_file"], lambda tmp: torch.save(states, tmp))
+        run.log(" | ".join(f"{k} {v:.2f}" for k, v in extra.items() if k != "epoch"))
         return loss, acc
     training.evaluate = evaluate_all
     execute(lambda: resnet_cifar100.main(argv))
