@@ -88,7 +88,7 @@ def load_datasets(name, args, comm=None, parameter_server=False):
         if args.download:
             raise UserError("--download: ImageNet cannot be downloaded automatically; get it "
                             "from image-net.org and point --data-dir at train/ and val/")
-        train, test = read_imagefolder(args.data_dir, args.image_size or 224)
+        train, test = read_imagefolder(args.data_dir, args.image_size or 224, args.auto_augment)
         for dataset, n in ((train, args.train_limit), (test, args.test_limit)):
             dataset.samples = dataset.imgs = pick(dataset.samples, dataset.targets, n, args.seed)
             dataset.targets = [label for _, label in dataset.samples]

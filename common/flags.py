@@ -99,6 +99,9 @@ def make_parser(description, script, recipe, *, dataset, arch):
                    help="linear warm-up, then cosine decay to zero")
     t.add_argument("--label-smoothing", type=fraction,
                    help="label smoothing of the training loss")
+    t.add_argument("--auto-augment", choices=["none", "ta_wide"], default="none",
+                   help="ta_wide: TrivialAugment (torchvision's TrivialAugmentWide) on the "
+                        "training images, after the crop and flip")
     t.add_argument("--seed", type=seed, default=0,
                    help="seeds model init, shuffling, augmentation and dropout")
 

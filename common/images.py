@@ -109,16 +109,19 @@ def decode_images(paths, out, workers):
         out[i * 512:i * 512 + len(batch)] = batch
 
 
-def read_imagefolder(data_dir, image_size):
+def read_imagefolder(data_dir, image_size, auto_augment="none"):
     """(train, val) torchvision ImageFolder datasets with the ImageNet transforms: a random
-    resized crop and flip for training; resize to 256/224 of the crop, center crop for val."""
+    resized crop and flip for training (then TrivialAugment with `auto_augment="ta_wide"`);
+    resize to 256/224 of the crop, center crop for val."""
     from torchvision import datasets, transforms
     for split in ("train", "val"):
         if not os.path.isdir(os.path.join(data_dir, split)):
             raise UserError(f"image folder not found: expected {os.path.join(data_dir, split)}/"
                             "<class>/*.JPEG (the ImageNet layout); point --data-dir at it")
     train = transforms.Compose([transforms.RandomResizedCrop(image_size),
-                                transforms.RandomHorizontalFlip(), transforms.PILToTensor()])
+                                transforms.RandomHorizontalFlip()] +
+                               [transforms.TrivialAugmentWide()] * (auto_augment == "ta_wide") +
+                               [transforms.PILToTensor()])
     val = transforms.Compose([transforms.Resize(int(round(image_size * 256 / 224))),
                               transforms.CenterCrop(image_size), transforms.PILToTensor()])
     try:  # a split without class folders, or a class folder without images

@@ -30,7 +30,7 @@ class ShardedLoader:
     every epoch.  Test: this rank's samples are ``rank::world_size``, unpadded, so that summing
     over ranks counts each test sample exactly once.  `finish` normalises a uint8 batch on the
     device (and resizes it to `image_size`, and makes it channels_last, if asked)."""
-    DROPOUT, SAMPLE = 1, 2  # what a seed is for, beside a batch's crops (`seed_for`)
+    DROPOUT, SAMPLE, AUGMENT = 1, 2, 3  # what a seed is for, beside a batch's crops (`seed_for`)
 
     def __init__(self, size, batch_size, device, *, train, mean, std, rank=0, world_size=1,
                  seed=0, image_size=None, channels_last=False):
@@ -82,13 +82,16 @@ class ShardedLoader:
 class DeviceLoader(ShardedLoader):
     """Batches of an in-memory ImageSet, held and augmented on the training device: each
     training image gets its own random crop with zero padding (`pad`, default 1/8 of the side)
-    and horizontal flip; test batches are only normalised."""
+    and horizontal flip, then with `auto_augment="ta_wide"` TrivialAugment; test batches are
+    only normalised."""
 
-    def __init__(self, data, batch_size, device, *, train, pad=None, augment=None, **shard):
+    def __init__(self, data, batch_size, device, *, train, pad=None, augment=None,
+                 auto_augment="none", **shard):
         super().__init__(len(data), batch_size, device, train=train, **shard)
         self.images, self.labels = data.images.to(device), data.labels.to(device)
         self.augment = train if augment is None else augment
         self.pad = data.images.shape[-1] // 8 if pad is None else pad
+        self.trivial_augment = self.augment and auto_augment == "ta_wide"
 
     def batches(self, start=0):
         order = torch.tensor(list(self.sampler), dtype=torch.int64, device=self.device)
@@ -99,6 +102,8 @@ class DeviceLoader(ShardedLoader):
             if self.augment:
                 gen.manual_seed(self.seed_for(k))
                 x = random_crop_flip(x, self.pad, gen)
+            if self.trivial_augment:
+                x = trivial_augment(x, self.seed_for(k, self.AUGMENT))
             yield self.finish(x), self.labels[idx]
 
 
@@ -116,6 +121,16 @@ def random_crop_flip(x, pad, gen):
     cols = torch.where(flip, cols.flip(1), cols)
     x = padded.gather(2, rows.view(b, 1, h, 1).expand(b, c, h, w + 2 * pad))
     return x.gather(3, cols.view(b, 1, 1, w).expand(b, c, h, w))
+
+
+def trivial_augment(x, seed, group=8):
+    """torchvision's TrivialAugmentWide of a uint8 batch: one operation and strength for each
+    `group` images, so a batch takes a few calls, not one per image.  It draws from the global
+    generator, seeded here (`epoch_batches` seeds it again for the batch's dropout masks)."""
+    from torchvision.transforms import v2
+    torch.manual_seed(seed)
+    augment = v2.TrivialAugmentWide()
+    return torch.cat([augment(part) for part in x.split(group)])
 
 
 class FolderLoader(ShardedLoader):
@@ -157,7 +172,8 @@ def make_loader(data, args, run, *, train, batch_size=None, rank=0, world_size=1
     shard = dict(train=train, mean=mean, std=std, rank=rank, world_size=world_size,
                  seed=args.seed, channels_last=run.amp)
     if isinstance(data, ImageSet):
-        return DeviceLoader(data, batch_size, run.device, image_size=args.image_size, **shard)
+        return DeviceLoader(data, batch_size, run.device, image_size=args.image_size,
+                            auto_augment=args.auto_augment, **shard)
     return FolderLoader(data, batch_size, run.device, workers=args.workers, **shard)
 
 

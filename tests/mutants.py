@@ -116,7 +116,7 @@ MUTANTS = [
     Mutant("dropout-not-reseeded-per-batch", "common/loader.py",
            "            torch.manual_seed(self.seed_for(k, self.DROPOUT))  # the masks its forward "
            "pass draws\n", "",
-           (RESUME, RESUMED_BATCHES + "[in-memory]"),
+           (RESUME, RESUMED_BATCHES + "[none-in-memory]"),
            "dropout masks continue the process's stream: a resumed run is not the "
            "uninterrupted one"),
     Mutant("dropout-seeded-once-per-epoch", "common/loader.py",
@@ -125,14 +125,29 @@ MUTANTS = [
            "pass draws\n            yield batch\n",
            "        torch.manual_seed(self.seed_for(start, self.DROPOUT))\n"
            "        yield from self.batches(start)\n",
-           (RESUMED_BATCHES + "[in-memory]", STOPPED_INSIDE_AN_EPOCH),
+           (RESUMED_BATCHES + "[none-in-memory]", STOPPED_INSIDE_AN_EPOCH),
            "dropout seeded once per epoch, at the batch it starts from: a run stopped inside an "
            "epoch resumes with other masks for every later batch"),
     Mutant("image-folder-augmented-from-each-process-stream", "common/loader.py",
            "        torch.manual_seed(key[0])\n", "",
-           (RESUMED_BATCHES + "[image-folder]",),
+           (RESUMED_BATCHES + "[none-image-folder]",),
            "an image folder's crops and flips come from the stream of whichever decoding "
            "process gets the sample: a resumed epoch draws others"),
+    Mutant("trivial-augment-from-the-process-stream", "common/loader.py",
+           "    torch.manual_seed(seed)\n", "",
+           (RESUMED_BATCHES + "[ta_wide-in-memory]",),
+           "TrivialAugment draws from wherever the process's generator stands: a resumed epoch "
+           "augments its batches otherwise"),
+    Mutant("trivial-augment-on-test-batches", "common/loader.py",
+           'self.trivial_augment = self.augment and auto_augment == "ta_wide"',
+           'self.trivial_augment = auto_augment == "ta_wide"',
+           ("tests/test_data.py::test_test_batches_not_augmented_and_normalised",
+            "tests/test_data.py::test_auto_augment_flag_reaches_the_training_batches_only"),
+           "TrivialAugment applied to the test images too: the test accuracy of altered images"),
+    Mutant("auto-augment-flag-ignored", "common/loader.py",
+           "auto_augment=args.auto_augment, ", "",
+           ("tests/test_data.py::test_auto_augment_flag_reaches_the_training_batches_only",),
+           "--auto-augment is parsed but never reaches the loader"),
     # ------------------------------------------------------------------ data and labels
     Mutant("cifar-coarse-labels", "common/cifar.py",
            'batch.get(b"fine_labels")', 'batch.get(b"coarse_labels")',

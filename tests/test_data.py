@@ -493,7 +493,7 @@ def test_augmentation_is_random_zero_padded_crop_and_flip():
 def test_test_batches_not_augmented_and_normalised():
     ds = _id_set(10, size=8, seed=2, low=0)
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
-    loader = DeviceLoader(ds, 4, "cpu", train=False, mean=mean, std=std)
+    loader = DeviceLoader(ds, 4, "cpu", train=False, mean=mean, std=std, auto_augment="ta_wide")
     x, y = _collect(loader)
     assert y.tolist() == list(range(10))
     m = torch.tensor(mean).view(1, 3, 1, 1)
@@ -515,18 +515,20 @@ def _batches_and_masks(loader, epoch, start):
 
 
 @pytest.mark.parametrize("kind", ["in-memory", "image-folder"])
-def test_a_resumed_epoch_draws_each_batchs_crops_flips_and_dropout_masks_again(kind,
-                                                                              imagefolder_dir):
+@pytest.mark.parametrize("auto_augment", ["none", "ta_wide"])
+def test_a_resumed_epoch_draws_each_batchs_crops_flips_and_dropout_masks_again(
+        kind, auto_augment, imagefolder_dir):
     """A run stopped after batch 2 resumes at batch 3 (`epoch_batches(epoch, start=3)`): batch
-    k must come with the same crops, flips and dropout masks as in the uninterrupted epoch, or
-    a resumed run is not the run it continues.  An image folder's samples are augmented by 2
-    decoding processes, whichever gets them; another rank draws other masks."""
+    k must come with the same crops, flips, TrivialAugment operations and dropout masks as in
+    the uninterrupted epoch, or a resumed run is not the run it continues.  An image folder's
+    samples are augmented by 2 decoding processes, whichever gets them; another rank draws
+    other masks."""
     if kind == "in-memory":
         def loader(rank=0):
             return DeviceLoader(_id_set(40, size=16), 4, "cpu", train=True, seed=3, rank=rank,
-                                world_size=2, **RAW)
+                                world_size=2, auto_augment=auto_augment, **RAW)
     else:
-        train_set, _ = data.read_imagefolder(str(imagefolder_dir), 32)
+        train_set, _ = data.read_imagefolder(str(imagefolder_dir), 32, auto_augment)
         def loader(rank=0):
             return FolderLoader(train_set, 1, "cpu", train=True, workers=2, seed=3, rank=rank,
                                 world_size=2, **RAW)
@@ -537,6 +539,43 @@ def test_a_resumed_epoch_draws_each_batchs_crops_flips_and_dropout_masks_again(k
         assert torch.equal(mask, mask_again)
     other_rank = _batches_and_masks(loader(rank=1), 1, 3)
     assert not torch.equal(resumed[0][1], other_rank[0][1])
+
+
+def test_trivial_augment_changes_training_images_after_the_crop_and_flip(imagefolder_dir):
+    """--auto-augment ta_wide: the same crops and flips as without it, then most groups of 8
+    images changed by one operation each (a new draw every epoch and batch); labels, shapes
+    and the pixel range kept.  An image folder gets torchvision's transform per sample."""
+    def batches(auto_augment, epoch):
+        loader = DeviceLoader(_id_set(64, size=16), 32, "cpu", train=True, seed=5,
+                              auto_augment=auto_augment, **RAW)
+        return list(loader.epoch_batches(epoch))
+    for epoch in (0, 1):
+        for (x, y), (x_ta, y_ta) in zip(batches("none", epoch), batches("ta_wide", epoch)):
+            assert torch.equal(y, y_ta) and x_ta.shape == x.shape
+            assert x_ta.min() >= 0 and x_ta.max() <= 255
+            changed = (x_ta != x).flatten(1).any(1).view(-1, 8)
+            assert changed.any(1).sum() >= 2  # of 4 groups; each draws the identity 1 in 14
+    first = [x for x, _ in batches("ta_wide", 0)]
+    assert not all(torch.equal(a, b) for a, b in zip(first, [x for x, _ in batches("ta_wide", 1)]))
+    train_set, _ = data.read_imagefolder(str(imagefolder_dir), 32, "ta_wide")
+    assert any(type(t).__name__ == "TrivialAugmentWide" for t in train_set.transform.transforms)
+    plain, _ = data.read_imagefolder(str(imagefolder_dir), 32)
+    assert not any(type(t).__name__ == "TrivialAugmentWide" for t in plain.transform.transforms)
+
+
+def test_auto_augment_flag_reaches_the_training_batches_only(tmp_path):
+    """`--auto-augment ta_wide` through make_loaders: training batches change, test batches
+    do not."""
+    from common.loader import make_loaders
+    run = run_module.Run("test", str(tmp_path), torch.device("cpu"), False)
+
+    def first_batches(*flag):
+        train, test = make_loaders(_id_set(32), _id_set(8), parse("--batch-size", "16", *flag),
+                                   run)
+        return next(train.epoch_batches(0))[0], next(iter(test))[0]
+    (train, test) = first_batches("--auto-augment", "none")
+    (train_ta, test_ta) = first_batches("--auto-augment", "ta_wide")
+    assert not torch.equal(train, train_ta) and torch.equal(test, test_ta)
 
 
 def test_image_size_resizes():
