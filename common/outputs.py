@@ -1,13 +1,12 @@
 """The run folder (--out): claimed by one run at a time, and its files: config.json, metrics.csv,
 curve.png, checkpoint.pt (common/checkpoint.py) and, with --tensorboard, tb/."""
 import csv
-import importlib.util
 import io
 import json
 import os
 import platform
-import re
 import sys
+from importlib.metadata import version
 
 import torch
 
@@ -101,25 +100,15 @@ def epoch_line(row, epochs):
 
 
 def environment(device):
-    import numpy
+    # torchvision's version from its installed metadata: importing it pulls in torch._dynamo,
+    # seconds of CPU that a script building no torchvision model need not pay
     env = {"python": sys.version.split()[0], "torch": torch.__version__,
-           "torchvision": torchvision_version(), "numpy": numpy.__version__,
+           "torchvision": version("torchvision"), "numpy": version("numpy"),
            "platform": platform.platform(), "device": str(device),
            "threads": torch.get_num_threads()}
     if torch.device(device).type == "cuda":
         env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
     return env
-
-
-def torchvision_version():
-    """torchvision.__version__ (with its build, +cu130 say), read without importing torchvision:
-    the import pulls in torch._dynamo, seconds of CPU a script that builds none need not pay."""
-    spec = importlib.util.find_spec("torchvision")
-    try:
-        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
-            return re.search(r"^__version__ = ['\"](.+)['\"]", f.read(), re.M).group(1)
-    except (AttributeError, TypeError, OSError):  # not installed, or laid out otherwise
-        return None
 
 
 def write_text(path, text):
