@@ -5,6 +5,7 @@
                  `training.EpochMetrics` it keeps (the epoch's bookkeeping), the model, the
                  loss, backward, the optimizer step and the LR schedule's step, built as
                  resnet_cifar100.main builds them;
+* `loop, --auto-augment ta_wide` -- the same with TrivialAugment after the crop and flip;
 * `in place`  -- the same forward, backward, optimizer step and LR schedule step on one batch
                  already on the device;
 * `reference` -- what public solutions do: torchvision's `CIFAR100` with per-sample PIL
@@ -40,6 +41,7 @@ from util import (SMOKE, TESTS_DIR, default_amp, log, median, precision_name,
 
 BATCH = 128
 LOOP, IN_PLACE = "loop (ours)", "in place"
+LOOP_TA = "loop, --auto-augment ta_wide"
 PRECISIONS = (("in place, fp32", False, False), ("in place, fp32 + channels_last", False, True),
               ("in place, bf16 autocast", True, False),
               ("in place, bf16 autocast + channels_last", True, True))
@@ -245,12 +247,15 @@ def bench_step(device, quick, workers, data_dir):
     main = Setup(base, device, amp)
     loader = DeviceLoader(train_set, BATCH, device, train=True, mean=spec.mean, std=spec.std,
                           seed=0, channels_last=amp)
+    loader_ta = DeviceLoader(train_set, BATCH, device, train=True, mean=spec.mean, std=spec.std,
+                             seed=0, channels_last=amp, auto_augment="ta_wide")
     loader.set_epoch(0)
     x, y = next(iter(loader))
     x, y = x.clone(), y.clone()
     ref_name = f"reference ({workers} workers)"
     variants = {
         LOOP: loop_variant(main, loader, steps),
+        LOOP_TA: loop_variant(main, loader_ta, steps),
         IN_PLACE: in_place_variant(main, x, y, steps),
         ref_name: reference_variant(main, ref_set, workers, ref_steps),
     }
@@ -295,6 +300,7 @@ def bench_step(device, quick, workers, data_dir):
         "ratio_in_place_over_loop": median(ratios), "ratio_per_rep": ratios,
         "ratio_best_of": max(results[IN_PLACE]) / max(results[LOOP]),
         "ratio_in_place_over_reference": median(paired(IN_PLACE, ref_name)),
+        "ratio_loop_over_loop_ta": median(paired(LOOP, LOOP_TA)),
         "goal_ratio_at_most": 1.05, "goal_met": median(ratios) <= 1.05,
     }
 
@@ -395,7 +401,8 @@ def print_step(res):
     log(f"in place / loop = {res['ratio_in_place_over_loop']:.3f} (median of per-rep ratios; "
         f"best-of {res['ratio_best_of']:.3f}; goal <= 1.05: "
         f"{'met' if res['goal_met'] else 'NOT met'}); in place / reference = "
-        f"{res['ratio_in_place_over_reference']:.3f}; forward "
+        f"{res['ratio_in_place_over_reference']:.3f}; loop / loop with TrivialAugment = "
+        f"{res['ratio_loop_over_loop_ta']:.3f} (goal <= 1.10); forward "
         f"{res['forward_flops_per_image'] / 1e6:.1f} MFLOP/image")
 
 
