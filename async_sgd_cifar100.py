@@ -42,11 +42,10 @@ from common.run import start_run
 SCRIPT = "async_sgd_cifar100"
 TARGET = 60.0  # the homework's test-accuracy target, % (on cifar100)
 
-# The recipe (sync SGD's, split over the workers as above): 40 epochs; Nesterov momentum 0.9, one
-# buffer per worker (below); weight decay 5e-4 on conv and linear weights; a linear warm-up to 0.1
-# over epoch 1, then a cosine to 0, per update; random crop and flip; label smoothing 0.1.
+# The recipe: sync SGD's (sync_sgd_cifar100.py says what each part is for), every value a flag,
+# split over the workers as above; Nesterov momentum 0.9 with one buffer per worker (below).
 RECIPE = dict(epochs=40, batch_size=128, lr=0.1, momentum=0.9, weight_decay=5e-4,
-              warmup_epochs=1.0, label_smoothing=0.1)
+              warmup_epochs=1.0, label_smoothing=0.1, auto_augment="ta_wide")
 PULL, PULL_FROM = 0.2, 2  # the rule's pull: P / N of the way back, from 2 updates stale
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from common import data, flags, model as models, training
-from common.loader import make_loaders
+from common.loader import make_loader
 from common.outputs import RunFolder
 from common.run import UserError, execute, start_run
 
@@ -66,20 +66,21 @@ def main(argv=None):
     folder = RunFolder(args, run, TARGET if args.dataset == "cifar100" else None)
 
     train_set, test_set = data.load_datasets(args.dataset, args)
-    train_loader, test_loader = make_loaders(train_set, test_set, args, run,
-                                             pretrained=True)  # ImageNet's mean and std
+    # ImageNet's mean and std: what the pretrained filters expect
+    train_loader = make_loader(train_set, args, run, train=True, pretrained=True)
+    test_loader = make_loader(test_set, args, run, train=False, pretrained=True)
     model = run.prepare(models.build_model(args.arch, len(train_set.classes)))
     criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     optimizer = torch.optim.SGD(training.param_groups(model, args.weight_decay), lr=args.lr,
                                 momentum=args.momentum, nesterov=args.momentum > 0, fused=True)
     scheduler = training.warmup_cosine(optimizer, args, len(train_loader))
 
-    if not (args.no_pretrained or args.evaluate or folder.has_checkpoint()):
+    state = folder.resume(model, optimizer, scheduler)  # the epochs a checkpoint in --out holds
+    if not (args.no_pretrained or args.evaluate or state.epoch or state.partial):  # a new run
         source = args.weights or f"ImageNet {models.NAMES[args.arch]} weights"
         state_dict = models.load_imagenet_state_dict(args.arch, args.weights)
         models.load_backbone(model, state_dict, source, args.arch)  # all but the new head
         run.log(f"loaded {source}; new {len(train_set.classes)}-way head")
-    state = folder.resume(model, optimizer, scheduler)  # the epochs a checkpoint in --out holds
     if args.evaluate:
         return training.evaluate_checkpoint(model, test_loader, run, state)
     run.log(training.describe(run, args, model, train_set, test_set, f"batch {args.batch_size}, "

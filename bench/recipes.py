@@ -3,14 +3,14 @@ regularisers, trained by resnet_cifar100.py itself (its network, loader, evaluat
 checkpoints and resume), on a CIFAR-100-shaped folder (bench/tiny_to_cifar.py).
 
     python bench/recipes.py --recipe P1 --data-dir D --out runs/P1          # a peer's recipe
-    python bench/recipes.py --recipe ours --auto-augment ta_wide -- --data-dir D --out runs/ta
+    python bench/recipes.py --recipe ours -- --auto-augment none --data-dir D --out runs/no-ta
 
 A recipe's optimizer and schedule are put in place of the script's; its other choices are the
 script's own flags.  After `--` come flags for resnet_cifar100.py (they win over the recipe's).
-The regularisers to try are this benchmark's flags, named as torchvision's classification
-reference names them: --auto-augment ta_wide (torchvision's TrivialAugmentWide, one draw per
-8 images), --random-erase P, --mixup-alpha A, --cutmix-alpha A (bench/augment.py); they are
-drawn per batch as the script draws its crops, flips and masks.
+The regularisers to try beside the script's own --auto-augment are this benchmark's flags,
+named as torchvision's classification reference names them: --random-erase P (after the crop
+and flip, before TrivialAugment), --mixup-alpha A, --cutmix-alpha A (bench/augment.py); they
+are drawn per batch as the script draws its crops, flips and masks.
 Each epoch the run also writes a line to --out/extra.jsonl; every --extra-every epochs and at
 the last, with the test accuracy with flip averaging (the image and its mirror, softmax
 averaged), and that of exponential moving averages of the weights (EMA,
@@ -40,11 +40,12 @@ import augment  # noqa: E402
 from common import checkpoint, loader, training  # noqa: E402
 from common.run import execute  # noqa: E402
 
-PEER = ["--label-smoothing", "0", "--warmup-epochs", "0", "--momentum", "0"]
+PEER = ["--label-smoothing", "0", "--warmup-epochs", "0", "--auto-augment", "none",
+        "--momentum", "0"]
 RECIPES = {  # (flags for resnet_cifar100.py, optimizer, schedule: None = cosine, milestones)
     "ours": ([], "sgd", None),
     "P1": (PEER + ["--lr", "1e-3", "--weight-decay", "0", "--dropout", "0.5"], "adam", ()),
-    "P2": (PEER[:4] + ["--momentum", "0.9", "--lr", "0.01", "--weight-decay", "5e-4",
+    "P2": (PEER[:6] + ["--momentum", "0.9", "--lr", "0.01", "--weight-decay", "5e-4",
                        "--batch-size", "100", "--dropout", "0.5"], "sgd-plain", (20, 60)),
     "P3": (PEER + ["--lr", "1e-3", "--weight-decay", "5e-4", "--dropout", "0.5"], "adam",
            (20, 40, 60)),
@@ -99,31 +100,15 @@ def step_schedule(milestones):
 def augmented(a, rotation, fill):
     """The script's crop and flip of a uint8 batch, then what `a` asks for: per image, a
     rotation by up to `rotation` degrees either way (torchvision's RandomRotation: nearest
-    pixel, zeros outside); TrivialAugmentWide (per group of TA_GROUP images); per image,
-    random erasing (to `fill`, the mean colour)."""
+    pixel, zeros outside); per image, random erasing (to `fill`, the mean colour)."""
     crop_flip = loader.random_crop_flip
 
     def augment_batch(x, pad, gen):
         x = crop_flip(x, pad, gen)
         if rotation:
             x = augment.rotate(x, rotation, gen)
-        if a.auto_augment == "ta_wide":
-            x = trivial_augment_groups(x, gen)
         return augment.random_erase(x, a.random_erase, gen, fill) if a.random_erase else x
     return augment_batch
-
-
-TA_GROUP = 8  # images that share one TrivialAugment draw
-
-
-def trivial_augment_groups(x, gen):
-    """torchvision's TrivialAugmentWide, one operation and strength drawn per TA_GROUP images
-    (a few calls a batch, not one per image); its draws come from the global generator, seeded
-    here from the batch's (the loader seeds it again for the dropout masks after the batch)."""
-    from torchvision.transforms import v2
-    torch.manual_seed(int(torch.randint(2**62, (), generator=gen, device=gen.device)))
-    ta = v2.TrivialAugmentWide()
-    return torch.cat([ta(part) for part in x.split(TA_GROUP)])
 
 
 def mixed(mix):
@@ -163,7 +148,6 @@ def accuracy(model, test_loader, run, flip):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--recipe", choices=RECIPES, required=True)
-    p.add_argument("--auto-augment", choices=["none", "ta_wide"], default="none")
     p.add_argument("--random-erase", type=float, default=0.0, metavar="P")
     p.add_argument("--mixup-alpha", type=float, default=0.0)
     p.add_argument("--cutmix-alpha", type=float, default=0.0)

@@ -4,8 +4,9 @@
                  `DeviceLoader` (batched on-device random crop + flip + normalise), with the
                  `training.EpochMetrics` it keeps (the epoch's bookkeeping), the model, the
                  loss, backward, the optimizer step and the LR schedule's step, built as
-                 resnet_cifar100.main builds them;
-* `loop, --auto-augment ta_wide` -- the same with TrivialAugment after the crop and flip;
+                 resnet_cifar100.main builds them, with `--auto-augment none`;
+* `loop, --auto-augment ta_wide` -- the same with TrivialAugment after the crop and flip (the
+                 scripts' default): what it costs;
 * `in place`  -- the same forward, backward, optimizer step and LR schedule step on one batch
                  already on the device;
 * `reference` -- what public solutions do: torchvision's `CIFAR100` with per-sample PIL

@@ -91,7 +91,10 @@ class DeviceLoader(ShardedLoader):
         self.images, self.labels = data.images.to(device), data.labels.to(device)
         self.augment = train if augment is None else augment
         self.pad = data.images.shape[-1] // 8 if pad is None else pad
-        self.trivial_augment = self.augment and auto_augment == "ta_wide"
+        self.trivial_augment = None  # torchvision's TrivialAugmentWide, imported only if asked
+        if self.augment and auto_augment == "ta_wide":
+            from torchvision.transforms import v2
+            self.trivial_augment = v2.TrivialAugmentWide()
 
     def batches(self, start=0):
         order = torch.tensor(list(self.sampler), dtype=torch.int64, device=self.device)
@@ -102,8 +105,10 @@ class DeviceLoader(ShardedLoader):
             if self.augment:
                 gen.manual_seed(self.seed_for(k))
                 x = random_crop_flip(x, self.pad, gen)
-            if self.trivial_augment:
-                x = trivial_augment(x, self.seed_for(k, self.AUGMENT))
+            if self.trivial_augment is not None:  # one operation and strength per 8 images,
+                # drawn from the global generator (`epoch_batches` seeds it again after)
+                torch.manual_seed(self.seed_for(k, self.AUGMENT))
+                x = torch.cat([self.trivial_augment(part) for part in x.split(8)])
             yield self.finish(x), self.labels[idx]
 
 
@@ -121,16 +126,6 @@ def random_crop_flip(x, pad, gen):
     cols = torch.where(flip, cols.flip(1), cols)
     x = padded.gather(2, rows.view(b, 1, h, 1).expand(b, c, h, w + 2 * pad))
     return x.gather(3, cols.view(b, 1, 1, w).expand(b, c, h, w))
-
-
-def trivial_augment(x, seed, group=8):
-    """torchvision's TrivialAugmentWide of a uint8 batch: one operation and strength for each
-    `group` images, so a batch takes a few calls, not one per image.  It draws from the global
-    generator, seeded here (`epoch_batches` seeds it again for the batch's dropout masks)."""
-    from torchvision.transforms import v2
-    torch.manual_seed(seed)
-    augment = v2.TrivialAugmentWide()
-    return torch.cat([augment(part) for part in x.split(group)])
 
 
 class FolderLoader(ShardedLoader):
@@ -176,10 +171,3 @@ def make_loader(data, args, run, *, train, batch_size=None, rank=0, world_size=1
                             auto_augment=args.auto_augment, **shard)
     return FolderLoader(data, batch_size, run.device, workers=args.workers, **shard)
 
-
-def make_loaders(train_set, test_set, args, run, *, batch_size=None, rank=0, world_size=1,
-                 pretrained=False):
-    """This rank's training and test loaders; `batch_size` is per rank (default --batch-size)."""
-    shard = dict(rank=rank, world_size=world_size, pretrained=pretrained)
-    return (make_loader(train_set, args, run, train=True, batch_size=batch_size, **shard),
-            make_loader(test_set, args, run, train=False, **shard))

@@ -29,10 +29,6 @@ class RunFolder:
         if run.is_main and not args.evaluate:  # before any training time is spent
             claim(args.out, args.fresh)
 
-    def has_checkpoint(self):
-        """Will `resume` read a checkpoint?  (Not with --fresh.)"""
-        return os.path.exists(self.checkpoint) and not self.args.fresh
-
     def resume(self, model, optimizer=None, scheduler=None, comm=None):
         """The epochs done so far (a `checkpoint.State`), loaded into the model, optimizer and
         schedule, which `save` writes from then on."""

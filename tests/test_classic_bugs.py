@@ -258,12 +258,13 @@ IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 @pytest.mark.parametrize("pretrained, stats", [(False, CIFAR_STATS), (True, IMAGENET_STATS)],
                          ids=["cifar100", "imagenet-weights"])
 def test_training_and_test_batches_are_normalised_alike(tmp_path, pretrained, stats):
-    """make_loaders for CIFAR-100: training and test images are both normalised with CIFAR-100's
+    """make_loader for CIFAR-100: training and test images are both normalised with CIFAR-100's
     mean and std -- ImageNet's for ImageNet weights."""
-    args = resnet_cifar100.parse_args(["--batch-size", "8"])
+    # (no TrivialAugment: it changes the colours, which this test compares)
+    args = resnet_cifar100.parse_args(["--batch-size", "8", "--auto-augment", "none"])
     images = constant_colour_set(16)
-    train, test = loader.make_loaders(images, images, args, cpu_process(tmp_path),
-                                      pretrained=pretrained)
+    train, test = (loader.make_loader(images, args, cpu_process(tmp_path), train=train,
+                                      pretrained=pretrained) for train in (True, False))
     mean, std = (torch.tensor(s).view(1, 3) for s in stats)
     for which in (train, test):
         which.set_epoch(0)

@@ -563,15 +563,31 @@ def test_trivial_augment_changes_training_images_after_the_crop_and_flip(imagefo
     assert not any(type(t).__name__ == "TrivialAugmentWide" for t in plain.transform.transforms)
 
 
+def test_trivial_augment_draws_one_operation_per_group_of_8_images():
+    """TrivialAugmentWide one draw per 8 images (a few calls a batch, not one per image, nor one
+    for the whole batch): copies of one photo, which no crop or flip changes, come back alike
+    within each group of 8 and differ between groups."""
+    photo = _id_set(1, size=16).images
+    photo = torch.maximum(photo, photo.flip(3))  # a mirror image of itself: flips change nothing
+    copies = data.ImageSet(photo.expand(128, -1, -1, -1).contiguous(),
+                           torch.zeros(128, dtype=torch.int64), ["0"])
+    loader = DeviceLoader(copies, 128, "cpu", train=True, pad=0, auto_augment="ta_wide", **RAW)
+    x, _ = next(loader.epoch_batches(0))
+    groups = [{img.numpy().tobytes() for img in group} for group in x.split(8)]
+    assert all(len(group) == 1 for group in groups)
+    assert len(set().union(*groups)) >= 8  # of 16 groups (the identity is 1 choice in 14)
+
+
 def test_auto_augment_flag_reaches_the_training_batches_only(tmp_path):
-    """`--auto-augment ta_wide` through make_loaders: training batches change, test batches
+    """`--auto-augment ta_wide` through make_loader: training batches change, test batches
     do not."""
-    from common.loader import make_loaders
+    from common.loader import make_loader
     run = run_module.Run("test", str(tmp_path), torch.device("cpu"), False)
 
     def first_batches(*flag):
-        train, test = make_loaders(_id_set(32), _id_set(8), parse("--batch-size", "16", *flag),
-                                   run)
+        args = parse("--batch-size", "16", *flag)
+        train, test = (make_loader(images, args, run, train=train)
+                       for images, train in ((_id_set(32), True), (_id_set(8), False)))
         return next(train.epoch_batches(0))[0], next(iter(test))[0]
     (train, test) = first_batches("--auto-augment", "none")
     (train_ta, test_ta) = first_batches("--auto-augment", "ta_wide")

@@ -1,6 +1,6 @@
-"""bench/recipes.py, the recipes side by side, and the regularisers it tries: torchvision's
-TrivialAugmentWide one draw per group of images, and (bench/augment.py) rotation and random
-erasing drawn per image on the device as torchvision draws them per image, MixUp and CutMix."""
+"""bench/recipes.py, the recipes side by side, and the regularisers it tries (bench/augment.py):
+rotation and random erasing drawn per image on the device as torchvision draws them per image,
+MixUp and CutMix."""
 import csv
 import json
 import math
@@ -43,23 +43,6 @@ def test_rotation_is_torchvisions_per_image_within_the_range_either_way():
     assert len({img.numpy().tobytes() for img in out}) > 100
 
 
-def test_trivial_augment_draws_one_operation_per_group_of_images():
-    """bench/recipes.py's TrivialAugmentWide: torchvision's, one draw per TA_GROUP images (a
-    few calls a batch): copies of one photo come back alike within a group, and the groups
-    differ; the same batch generator gives the same batch."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import recipes
-    sys.path.remove(os.path.join(ROOT, "bench"))
-    x = photos(1, 16).expand(16 * recipes.TA_GROUP, -1, -1, -1).contiguous()
-    out = recipes.trivial_augment_groups(x, torch.Generator().manual_seed(1))
-    assert out.dtype == torch.uint8 and out.shape == x.shape
-    groups = [{img.numpy().tobytes() for img in g} for g in out.split(recipes.TA_GROUP)]
-    assert all(len(g) == 1 for g in groups)
-    assert len(set().union(*groups)) >= 8  # of 16 groups (the identity is 1 choice in 14)
-    again = recipes.trivial_augment_groups(x, torch.Generator().manual_seed(1))
-    assert torch.equal(out, again)
-
-
 def test_random_erasing_blanks_a_rectangle_of_about_p_of_the_images():
     x = torch.full((2000, 3, 16, 16), 200, dtype=torch.uint8)
     fill = torch.tensor([7, 7, 7])  # the mean colour
@@ -86,8 +69,8 @@ def test_mixup_mixes_the_images_and_their_labels_alike():
 
 
 @pytest.mark.parametrize("recipe, extra, lr", [
-    ("P2", [], 0.01), ("ours", ["--auto-augment", "ta_wide", "--random-erase", "0.5",
-                                "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"], None)])
+    ("P2", [], 0.01), ("ours", ["--random-erase", "0.5", "--mixup-alpha", "0.2",
+                                "--cutmix-alpha", "1.0"], None)])
 def test_recipes_train_the_script_with_the_recipes_optimizer_and_regularisers(
         tmp_path, recipe, extra, lr):
     """Two epochs of the script under a peer's recipe (P2: SGD at a constant 0.01 until its
