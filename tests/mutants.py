@@ -13,7 +13,7 @@ should; "survived": they all passed -- the suite cannot tell the bug from the re
 "error": the edit no longer applies (its original text is not found exactly once: the mutant is
 stale and must be updated with the code), or the tests timed out or could not run.  First, the
 same tests run once on an unmutated copy: a failure there would pass for a kill, so the run
-stops (exit status 2).  The working tree is never changed.  Its 86 mutants take about
+stops (exit status 2).  The working tree is never changed.  Its 89 mutants take about
 20 minutes on 2 cores.
 """
 import argparse
@@ -173,9 +173,8 @@ MUTANTS = [
            ("tests/test_data.py::test_test_batches_not_augmented_and_normalised",),
            "random crops and flips applied to the test images too"),
     Mutant("test-set-other-statistics", "common/loader.py",
-           "            make_loader(test_set, args, run, train=False, **shard))",
-           "            make_loader(test_set, args, run, train=False, **dict(shard, "
-           "pretrained=True)))",
+           "    mean, std = normalization(args.dataset, pretrained)\n",
+           "    mean, std = normalization(args.dataset, pretrained or not train)\n",
            (BUGS + "test_training_and_test_batches_are_normalised_alike",),
            "the test set normalised with ImageNet's mean and std, the training set with its "
            "own"),
@@ -185,7 +184,9 @@ MUTANTS = [
            (BUGS + "test_training_and_test_batches_are_normalised_alike[imagenet-weights]",),
            "the loaders normalise with the data set's statistics even for ImageNet weights"),
     Mutant("pretrained-fed-cifar-statistics", "pretrained_cifar100.py",
-           "pretrained=True)  # ImageNet's mean and std", "pretrained=False)",
+           "train=True, pretrained=True)\n    test_loader = make_loader(test_set, args, run, "
+           "train=False, pretrained=True)\n", "train=True, pretrained=False)\n    test_loader = "
+           "make_loader(test_set, args, run, train=False, pretrained=False)\n",
            (BUGS + "test_pretrained_script_feeds_imagenet_normalised_images",),
            "ImageNet weights fed images normalised with CIFAR-100's statistics"),
     # ------------------------------------------------------------------- the SGD step
@@ -240,8 +241,8 @@ MUTANTS = [
            "a resumed run starts the LR schedule (warm-up) again"),
     # ----------------------------------------------------------------------- sync SGD
     Mutant("sync-every-rank-trains-on-everything", "sync_sgd_cifar100.py",
-           "batch_size=args.batch_size // world, rank=comm.rank,",
-           "batch_size=args.batch_size // world, rank=0,",
+           "batch_size=args.batch_size // world, **shard)",
+           "batch_size=args.batch_size // world, **dict(shard, rank=0))",
            (SYNC_END_TO_END,),
            "no sharding: each rank trains on the whole data set, an epoch is world x too long"),
     Mutant("sync-sums-gradients", "sync_sgd_cifar100.py",

@@ -453,7 +453,8 @@ def save():
 
 def test_async_workers_split_the_training_set_and_reshard_it_each_epoch(tmp_path):
     """mpirun -np 3 async_sgd_cifar100.py (2 workers), 2 epochs of 48 images of one flat colour
-    each (red = 5 x the image's index; a crop's shift or a flip keeps the centre pixel): in each
+    each (red = 5 x the image's index; a crop's shift or a flip keeps the centre pixel, and no
+    TrivialAugment changes the colours): in each
     epoch the workers train on disjoint halves that together cover every image once, and the
     halves change between epochs (one permutation of the whole set per epoch, then sharded)."""
     n = 48
@@ -467,7 +468,7 @@ def test_async_workers_split_the_training_set_and_reshard_it_each_epoch(tmp_path
         [MPIRUN, "-np", "3", sys.executable, "-c", WITH_TRAINING_BATCH_HOOK,
          "async_sgd_cifar100.py", "--data-dir", str(tmp_path / "data"),
          "--out", str(tmp_path / "out"), "--epochs", "2", "--batch-size", "8",
-         "--device", "cpu", "--no-amp"],
+         "--device", "cpu", "--no-amp", "--auto-augment", "none"],
         cwd=ROOT, env=child_env(BATCHES_OUT=str(record)), capture_output=True, text=True,
         timeout=TIMEOUT)
     assert result.returncode == 0, result.stdout + result.stderr
