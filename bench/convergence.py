@@ -9,9 +9,10 @@ runs them:
 * sync SGD             mpirun -np R python sync_sgd_cifar100.py            R = 2, 4, 8
 * async SGD            mpirun -np W+1 python async_sgd_cifar100.py         W = 1, 2, 4, 8
 
-all with the same epochs, samples, global batch (--batch-size) and learning rate, over
-several seeds (--seed: initial weights, data order, augmentation, dropout; the data set is
-the same).  It prints the test accuracy per epoch (mean over seeds), the final accuracy's
+all with the same epochs, samples, global batch (--batch-size) and learning rate, and
+without TrivialAugment (its colour operations rewrite the yardstick's colour, a third of each
+class; --flags "--auto-augment ta_wide" puts it back), over several seeds (--seed: initial
+weights, data order, augmentation, dropout; the data set is the same).  It prints the test accuracy per epoch (mean over seeds), the final accuracy's
 mean and spread, the async runs' mean and max staleness, and the gap of each async run to
 sync SGD with as many ranks as it has workers (W = 1: the one process), with its standard
 error over the seeds: with batch / N samples per process, BatchNorm sees the same batch size
@@ -85,7 +86,7 @@ def command(kind, processes, data_dir, out, cfg, seed, extra=()):
     device = cfg.get("device", "cpu")
     flags = ["--data-dir", data_dir, "--out", out, "--epochs", str(cfg["epochs"]),
              "--batch-size", str(cfg["batch"]), "--lr", str(cfg["lr"]), "--seed", str(seed),
-             "--device", device, "--fresh"]
+             "--device", device, "--fresh", "--auto-augment", "none"]  # (--flags may change it)
     if device == "cuda" and kind == "sync":
         flags += ["--backend", "gloo"]  # the ranks share the GPU; nccl wants one each
     flags += cfg.get("flags", []) + list(extra)
