@@ -13,7 +13,7 @@ should; "survived": they all passed -- the suite cannot tell the bug from the re
 "error": the edit no longer applies (its original text is not found exactly once: the mutant is
 stale and must be updated with the code), or the tests timed out or could not run.  First, the
 same tests run once on an unmutated copy: a failure there would pass for a kill, so the run
-stops (exit status 2).  The working tree is never changed.  Its 89 mutants take about
+stops (exit status 2).  The working tree is never changed.  Its 90 mutants take about
 20 minutes on 2 cores.
 """
 import argparse
@@ -242,7 +242,7 @@ MUTANTS = [
     # ----------------------------------------------------------------------- sync SGD
     Mutant("sync-every-rank-trains-on-everything", "sync_sgd_cifar100.py",
            "batch_size=args.batch_size // world, **shard)",
-           "batch_size=args.batch_size // world, **dict(shard, rank=0))",
+           "batch_size=args.batch_size // world, rank=0, world_size=1)",
            (SYNC_END_TO_END,),
            "no sharding: each rank trains on the whole data set, an epoch is world x too long"),
     Mutant("sync-sums-gradients", "sync_sgd_cifar100.py",
@@ -554,6 +554,10 @@ MUTANTS = [
            ("tests/test_recipes.py::test_mixed_batches_carry_blended_targets_drawn_after_the_"
             "batch_is_seeded",),
            "MixUp and CutMix blend the images but leave the labels one-hot"),
+    Mutant("ema-restarts-at-a-resume", "bench/recipes.py",
+           "                emas[decay].load_state_dict(saved[str(decay)])\n", "                pass\n",
+           ("tests/test_recipes.py::test_the_emas_follow_the_weights_and_resume_from_their_file",),
+           "a resumed run's EMAs start again from the weights of the moment, not from ema.pt"),
     # -------------------------------------------------------------------------- bench/
     Mutant("merge-drops-a-later-files-straggler-pair", "bench/convergence.py",
            '            cfg["straggler"] = delay\n', '            cfg.setdefault("straggler", None)\n',

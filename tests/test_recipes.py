@@ -113,3 +113,28 @@ def test_mixed_batches_carry_blended_targets_drawn_after_the_batch_is_seeded():
     resumed = list(batches(DeviceLoader(data, 4, "cpu", train=True, **raw), 1, start=2))
     for (x, y), (x_again, y_again) in zip(whole[2:], resumed):
         assert torch.equal(x, x_again) and torch.equal(y, y_again)
+
+
+def test_the_emas_follow_the_weights_and_resume_from_their_file(tmp_path):
+    """bench/recipes.py's EMAs of the weights: each optimizer step moves each (1 - decay) of the
+    way to the weights (the first step copies them), and a resumed run's EMAs go on from where
+    --out/ema.pt left them, not from the weights of the moment."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import recipes
+    sys.path.remove(os.path.join(ROOT, "bench"))
+    model = torch.nn.Linear(3, 2, bias=False)
+
+    def step_to(value, found):
+        with torch.no_grad():
+            model.weight.fill_(value)
+        recipes.follow(found)
+        return {d: ema.module.weight.mean().item() for d, ema in found["emas"].items()}
+    found = {"model": model, "ema_file": str(tmp_path / "ema.pt")}
+    assert step_to(1.0, found) == {d: 1.0 for d in recipes.EMA_DECAYS}
+    after = step_to(3.0, found)
+    for d in recipes.EMA_DECAYS:
+        assert after[d] == pytest.approx(d * 1.0 + (1 - d) * 3.0)
+    torch.save({str(d): e.state_dict() for d, e in found["emas"].items()}, tmp_path / "ema.pt")
+    resumed = step_to(3.0, {"model": model, "ema_file": str(tmp_path / "ema.pt")})
+    for d in recipes.EMA_DECAYS:
+        assert resumed[d] == pytest.approx(d * after[d] + (1 - d) * 3.0)
