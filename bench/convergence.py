@@ -12,8 +12,9 @@ runs them:
 all with the same epochs, samples, global batch (--batch-size) and learning rate, and
 without TrivialAugment (its colour operations rewrite the yardstick's colour, a third of each
 class; --flags "--auto-augment ta_wide" puts it back), over several seeds (--seed: initial
-weights, data order, augmentation, dropout; the data set is the same).  It prints the test accuracy per epoch (mean over seeds), the final accuracy's
-mean and spread, the async runs' mean and max staleness, and the gap of each async run to
+weights, data order, augmentation, dropout; the data set is the same).  It prints the test
+accuracy per epoch (mean over seeds), the final accuracy's mean and spread, the async runs'
+mean and max staleness, and the gap of each async run to
 sync SGD with as many ranks as it has workers (W = 1: the one process), with its standard
 error over the seeds: with batch / N samples per process, BatchNorm sees the same batch size
 in both.  Every process gets cores / processes threads; on 2 cores a full run takes about 80
