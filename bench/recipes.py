@@ -40,13 +40,13 @@ import augment  # noqa: E402
 from common import checkpoint, loader, training  # noqa: E402
 from common.run import execute  # noqa: E402
 
-PEER = ["--label-smoothing", "0", "--warmup-epochs", "0", "--auto-augment", "none",
-        "--momentum", "0"]
+PLAIN = ["--label-smoothing", "0", "--warmup-epochs", "0", "--auto-augment", "none"]
+PEER = PLAIN + ["--momentum", "0"]  # the Adam recipes: no SGD momentum
 RECIPES = {  # (flags for resnet_cifar100.py, optimizer, schedule: None = cosine, milestones)
     "ours": ([], "sgd", None),
     "P1": (PEER + ["--lr", "1e-3", "--weight-decay", "0", "--dropout", "0.5"], "adam", ()),
-    "P2": (PEER[:6] + ["--momentum", "0.9", "--lr", "0.01", "--weight-decay", "5e-4",
-                       "--batch-size", "100", "--dropout", "0.5"], "sgd-plain", (20, 60)),
+    "P2": (PLAIN + ["--momentum", "0.9", "--lr", "0.01", "--weight-decay", "5e-4",
+                    "--batch-size", "100", "--dropout", "0.5"], "sgd-plain", (20, 60)),
     "P3": (PEER + ["--lr", "1e-3", "--weight-decay", "5e-4", "--dropout", "0.5"], "adam",
            (20, 40, 60)),
     "P4": (PEER + ["--lr", "5e-4", "--weight-decay", "0", "--dropout", "0.15"], "adam", ()),
