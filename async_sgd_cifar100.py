@@ -217,7 +217,8 @@ class Server:
         while active:
             worker, message, error = inbox.next()  # from whichever worker sends first
             if error is not None:  # it died, or sent nothing for --timeout: everyone stops
-                failure = failure or self.worker_lost(worker, error, active)
+                lost = self.worker_lost(worker, error, active)  # (a second loss leaves too)
+                failure = failure or lost  # the first is the reason
                 continue
             kind = message[0].item()
             if kind == DONE:  # its epochs are trained: it waits for its release

@@ -13,7 +13,7 @@ should; "survived": they all passed -- the suite cannot tell the bug from the re
 "error": the edit no longer applies (its original text is not found exactly once: the mutant is
 stale and must be updated with the code), or the tests timed out or could not run.  First, the
 same tests run once on an unmutated copy: a failure there would pass for a kill, so the run
-stops (exit status 2).  The working tree is never changed.  Its 90 mutants take about
+stops (exit status 2).  The working tree is never changed.  Its 91 mutants take about
 20 minutes on 2 cores.
 """
 import argparse
@@ -381,6 +381,12 @@ MUTANTS = [
            ("tests/test_distributed_faults.py", "-k", "stopping_keeps"),
            "the server, stopping on SIGTERM, answers a worker that has died meanwhile: gloo's "
            "error escapes as a traceback and the checkpoint is never written"),
+    Mutant("second-lost-worker-still-served", "async_sgd_cifar100.py",
+           "                lost = self.worker_lost(worker, error, active)",
+           "                lost = failure or self.worker_lost(worker, error, active)",
+           ("tests/test_distributed_faults.py", "-k", "both_workers_hang"),
+           "a worker lost after another had stopped the run stays among those served: the "
+           "server waits for it with none due and ends in a traceback"),
     Mutant("async-server-receives-from-any-source", "common/inbox.py",
            '        self.threaded = dist.get_backend() == "gloo"',
            "        self.threaded = False",

@@ -183,6 +183,23 @@ def test_async_server_stops_for_a_hung_worker_after_timeout(cifar_dir, tmp_path)
     assert len(rows(out)) <= epochs_then + 4, rows(out)
 
 
+def test_async_server_stops_once_when_both_workers_hang(cifar_dir, tmp_path):
+    """Both workers stop answering at once: the second silence, after the first had already
+    stopped the run, must also take its worker out of the ones served.  (It stayed, and the
+    server's next wait, with no worker left to wait for, ended in a ValueError traceback.)"""
+    out = tmp_path / "async"
+    group = lone_worker_group(cifar_dir, out, "--timeout", "3")
+    try:
+        for worker in group[1:]:
+            worker.send_signal(signal.SIGSTOP)
+        _, stderr = group[0].communicate(timeout=60)
+    finally:
+        for p in group:
+            p.kill()
+    assert group[0].returncode == 200, stderr
+    assert len(stderr.strip().splitlines()) == 1 and "it sent nothing for --timeout 3 s" in stderr
+
+
 def worker_2_waiting_to_be_released(cifar_dir, out, timeout):
     """A one-epoch run with worker 1 slowed (1 s after each step), 12 s in: worker 2's 24
     batches are done and it waits to be released; worker 1 has done about 12 of its 24."""
@@ -294,8 +311,9 @@ def test_async_workers_decoding_longer_than_the_timeout_start_training(tiny_dir,
     out = tmp_path / "async"
     args = [sys.executable, "-c", SLOW_WORKER_DECODING, "--dataset", "tinyimagenet",
             "--data-dir", str(tiny_dir), "--out", str(out), "--device", "cpu", "--epochs", "1",
-            "--batch-size", "8", "--workers", "0", "--timeout", "3"]
-    for code, stdout, stderr in finish(async_group(args, DECODE_SLEEP="8"), TIMEOUT):
+            "--batch-size", "8", "--workers", "0", "--timeout", "8"]
+    # (--timeout still bounds the first step after decoding: 3 s was too short under load)
+    for code, stdout, stderr in finish(async_group(args, DECODE_SLEEP="20"), TIMEOUT):
         assert code == 0, stdout + stderr
     assert [line.split(",")[0] for line in rows(out)] == ["1"]
 
