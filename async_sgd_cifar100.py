@@ -364,9 +364,11 @@ def main(argv=None):
     folder = RunFolder(args, run, TARGET if args.dataset == "cifar100" else None)
     with distributed.process_group(args, run, launch) as comm:
         comm.check_same_flags(args)  # one recipe for every rank
-        with comm.apart():  # the server decodes fewer images: its wait is not silence
+        with comm.apart():  # decoding, a worker's loader (TrivialAugment's import): not silence
             train_set, test_set = data.load_datasets(args.dataset, args, comm,
                                                      parameter_server=True)
+            shard = dict(train=True, batch_size=batch, rank=comm.rank - 1, world_size=n_workers)
+            train_loader = make_loader(train_set, args, run, **shard) if comm.rank else None
         per_worker = math.ceil(len(train_set) / n_workers)  # DistributedSampler's shard size
         updates_per_epoch = math.ceil(per_worker / batch) * n_workers
         model = build_model(args.arch, len(train_set.classes), args.dropout)
@@ -387,9 +389,7 @@ def main(argv=None):
             Server(model, n_workers, args, run, make_loader(test_set, args, run, train=False),
                    state, updates_per_epoch, positions, folder).serve()
             run.log(f"final test accuracy: {state.rows[-1]['test_acc']:.2f}%")
-        elif not args.evaluate:  # the workers shard the training set among themselves
-            train_loader = make_loader(train_set, args, run, train=True, batch_size=batch,
-                                       rank=comm.rank - 1, world_size=n_workers)
+        elif not args.evaluate:  # the workers, each on its shard of the training set
             with losing_the_server(run.rank):  # one line, exit 200
                 worker(model, train_loader, args, run, positions[comm.rank - 1])
             wait_for_release(run.rank, resume_hint(args))
