@@ -24,10 +24,13 @@ TIMEOUT = 600
 # rule (test docstring below) at 14.25 and 18.38% -- 5.0 points below sync, loss 0.12 above,
 # inside the margins.  Without TrivialAugment: colour is a third of each class here, and its
 # colour operations (solarize, posterize, ...) rewrite it; with it, sync ended at 15.1 % after
-# climbing 7.5 points, too little room for a worse rule to show (2026-12-07).
+# climbing 7.5 points, too little room for a worse rule to show (2026-12-07).  In fp32, where the
+# margins below were measured: under bf16 autocast (the default where the CPU has native bf16)
+# async ended 0.4 to 7.2 points below sync here (6 runs, 2026-12-07, machine I), against 1.0
+# above to 3.5 below in fp32 beside them, and failed CI's 6-point margin.
 N_TRAIN, N_TEST, CLASSES = 2400, 800, 20
 RECIPE = ["--epochs", "4", "--batch-size", "32", "--lr", "0.05", "--warmup-epochs", "1",
-          "--device", "cpu", "--auto-augment", "none"]
+          "--device", "cpu", "--auto-augment", "none", "--no-amp"]
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +85,10 @@ def test_async_sgd_with_two_workers_keeps_up_with_sync(sync_rows, async_rows):
     --batch-size applied at the whole --lr as it came) ended at 8.75% here against sync's
     29.1%, its first-epoch training loss 6.05, above ln(100).  A milder rule, the slides' (one
     momentum buffer for all workers, --lr / N per update, the reply not looked ahead, the head
-    stale, no pull), ends 7.9 points below sync (22.0% against 29.9%, 2026-11-25), which the
-    margins below catch.  One buffer alone, with the rest of the rule kept, stays inside them:
-    closer comparisons are bench/convergence.py's."""
+    stale, no pull), ends 7.9 points below sync (22.0% against 29.9%, 2026-11-25), its training
+    loss 0.27 above, which the loss margin below catches.  One buffer alone, with the rest of the
+    rule kept, stays inside them: closer comparisons are bench/convergence.py's, the exact rule
+    tests/test_classic_bugs.py's."""
     sync_acc, async_acc = sync_rows[-1]["test_acc"], async_rows[-1]["test_acc"]
     assert async_acc >= sync_acc - ACCURACY_MARGIN, (async_acc, sync_acc)
     assert async_acc > 3 * 100.0 / CLASSES, async_acc
@@ -93,11 +97,12 @@ def test_async_sgd_with_two_workers_keeps_up_with_sync(sync_rows, async_rows):
     assert max(r["mean_staleness"] for r in async_rows) > 0.5, async_rows  # really async
 
 
-# Margins several times the run-to-run spread of the async run (same seed, the order in which
-# the workers' gradients arrive varying; 5 runs on an fp32 CPU, 2026-11-25): from 1.5 points
-# below sync to 0.5 above, training loss 0.03 to 0.07 above it.  The milder one-buffer rule
-# (test docstring) ended 7.9 and 8.1 points below, 0.27 and 0.32 above: outside both.
-ACCURACY_MARGIN, LOSS_MARGIN = 6.0, 0.2
+# Margins beyond the run-to-run spread of the async run (same seed, the order in which the
+# workers' gradients arrive varying; fp32): from 1.0 points above sync to 3.5 below, training
+# loss 0.04 below to 0.07 above it (9 runs, 2026-11-25 and, under load, 2026-12-07).  The
+# milder one-buffer rule (test docstring) ended 7.9 and 8.1 points below, its loss 0.27 and 0.32
+# above: outside the loss margin, which the accuracy's spread is too wide to give.
+ACCURACY_MARGIN, LOSS_MARGIN = 8.0, 0.2
 
 
 def test_async_sgd_never_does_worse_than_a_uniform_guess(async_rows):
