@@ -87,7 +87,7 @@ def test_async_sgd_with_two_workers_keeps_up_with_sync(sync_rows, async_rows):
     momentum buffer for all workers, --lr / N per update, the reply not looked ahead, the head
     stale, no pull), ends 7.9 points below sync (22.0% against 29.9%, 2026-11-25), its training
     loss 0.27 above, which the loss margin below catches.  One buffer alone, with the rest of the
-    rule kept, stays inside them: closer comparisons are bench/convergence.py's, the exact rule
+    rule kept, stays inside the margins: closer comparisons are bench/convergence.py's, the exact rule
     tests/test_classic_bugs.py's."""
     sync_acc, async_acc = sync_rows[-1]["test_acc"], async_rows[-1]["test_acc"]
     assert async_acc >= sync_acc - ACCURACY_MARGIN, (async_acc, sync_acc)
@@ -101,7 +101,7 @@ def test_async_sgd_with_two_workers_keeps_up_with_sync(sync_rows, async_rows):
 # workers' gradients arrive varying; fp32): from 1.0 points above sync to 3.5 below, training
 # loss 0.04 below to 0.07 above it (9 runs, 2026-11-25 and, under load, 2026-12-07).  The
 # milder one-buffer rule (test docstring) ended 7.9 and 8.1 points below, its loss 0.27 and 0.32
-# above: outside the loss margin, which the accuracy's spread is too wide to give.
+# above: outside the loss margin (the accuracy's spread leaves its margin too wide to).
 ACCURACY_MARGIN, LOSS_MARGIN = 8.0, 0.2
 
 
