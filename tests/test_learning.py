@@ -86,9 +86,9 @@ def test_async_sgd_with_two_workers_keeps_up_with_sync(sync_rows, async_rows):
     29.1%, its first-epoch training loss 6.05, above ln(100).  A milder rule, the slides' (one
     momentum buffer for all workers, --lr / N per update, the reply not looked ahead, the head
     stale, no pull), ends 7.9 points below sync (22.0% against 29.9%, 2026-11-25), its training
-    loss 0.27 above, which the loss margin below catches.  One buffer alone, with the rest of the
-    rule kept, stays inside the margins: closer comparisons are bench/convergence.py's, the exact rule
-    tests/test_classic_bugs.py's."""
+    loss 0.27 above, which the loss margin below catches.  One buffer alone, with the rest of
+    the rule kept, stays inside the margins: closer comparisons are bench/convergence.py's, the
+    exact rule tests/test_classic_bugs.py's."""
     sync_acc, async_acc = sync_rows[-1]["test_acc"], async_rows[-1]["test_acc"]
     assert async_acc >= sync_acc - ACCURACY_MARGIN, (async_acc, sync_acc)
     assert async_acc > 3 * 100.0 / CLASSES, async_acc
