@@ -37,6 +37,25 @@ def wait_for(predicate, timeout=TIMEOUT, what="condition"):
         time.sleep(0.05)
 
 
+def cpu_seconds(pid):
+    """The CPU time a live process has used (user + system), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command's name
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_idle(process, quiet=3.0, what="the process to wait"):
+    """Until `process` has used almost no CPU for `quiet` seconds: it waits in a receive.  (A
+    fixed sleep guessed how long its part takes, and a loaded CI machine took longer.)"""
+    deadline, since, used = time.time() + TIMEOUT, time.time(), cpu_seconds(process.pid)
+    while time.time() - since < quiet:
+        assert time.time() < deadline and process.poll() is None, f"timed out waiting for {what}"
+        time.sleep(0.5)
+        now = cpu_seconds(process.pid)
+        if now - used > 0.05:  # still computing
+            since, used = time.time(), now
+
+
 def rows(out):
     path = os.path.join(out, "metrics.csv")
     if not os.path.exists(path):

@@ -20,7 +20,7 @@ from common import checkpoint, inbox
 from common.messages import GRADIENT
 from common.network import free_port
 from faults import TIMEOUT, cmd, digest, one_error_line, rows, run, start, state, wait_for, \
-    with_faults
+    wait_until_idle, with_faults
 from helpers import ROOT, by_hand, child_env, finish
 
 
@@ -188,7 +188,9 @@ def test_async_server_stops_once_when_both_workers_hang(cifar_dir, tmp_path):
     stopped the run, must also take its worker out of the ones served.  (It stayed, and the
     server's next wait, with no worker left to wait for, ended in a ValueError traceback.)"""
     out = tmp_path / "async"
-    group = lone_worker_group(cifar_dir, out, "--timeout", "3")
+    # 6 s: with 3, epoch 1's end (the first plot) outlasted it on a loaded fp32 machine, and a
+    # worker gave up on the server before the test began
+    group = lone_worker_group(cifar_dir, out, "--timeout", "6")
     try:
         for worker in group[1:]:
             worker.send_signal(signal.SIGSTOP)
@@ -197,18 +199,18 @@ def test_async_server_stops_once_when_both_workers_hang(cifar_dir, tmp_path):
         for p in group:
             p.kill()
     assert group[0].returncode == 200, stderr
-    assert len(stderr.strip().splitlines()) == 1 and "it sent nothing for --timeout 3 s" in stderr
+    assert len(stderr.strip().splitlines()) == 1 and "it sent nothing for --timeout 6 s" in stderr
 
 
 def worker_2_waiting_to_be_released(cifar_dir, out, timeout):
-    """A one-epoch run with worker 1 slowed (1 s after each step), 12 s in: worker 2's 24
-    batches are done and it waits to be released; worker 1 has done about 12 of its 24."""
+    """A one-epoch run with worker 1 slowed (2 s after each step, 48 s in all), once worker 2's
+    24 batches are done and it waits to be released (its CPU idle)."""
     args = cmd("async_sgd_cifar100.py", cifar_dir, out, "--train-limit", "192", "--batch-size",
-               "8", "--epochs", "1", "--straggler-delay", "1", "--timeout", timeout)
+               "8", "--epochs", "1", "--straggler-delay", "2", "--timeout", timeout)
     group = async_group(args)
     wait_for(lambda: os.path.exists(out / "config.json") or group[0].poll() is not None,
              what="training to start")
-    time.sleep(12)
+    wait_until_idle(group[2], what="worker 2 to finish its part")
     return group
 
 
@@ -219,6 +221,7 @@ def test_a_worker_waiting_for_its_release_notices_a_silent_server(cifar_dir, tmp
     retryable 200: waiting without a limit it would wait for ever, and with gloo's limit alone
     it gave up beside a live server, saying it was not released, and exited 0."""
     server, *workers = worker_2_waiting_to_be_released(cifar_dir, tmp_path / "async", "4")
+    time.sleep(4)  # beyond --timeout
     try:
         assert server.poll() is None and workers[1].poll() is None, "worker 2 stopped waiting"
         server.send_signal(signal.SIGSTOP)
