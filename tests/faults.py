@@ -49,7 +49,8 @@ def wait_until_idle(process, quiet=3.0, what="the process to wait"):
     fixed sleep guessed how long its part takes, and a loaded CI machine took longer.)"""
     deadline, since, used = time.time() + TIMEOUT, time.time(), cpu_seconds(process.pid)
     while time.time() - since < quiet:
-        assert time.time() < deadline and process.poll() is None, f"timed out waiting for {what}"
+        assert process.poll() is None, f"the process ended while waiting for {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)
         now = cpu_seconds(process.pid)
         if now - used > 0.05:  # still computing

@@ -220,12 +220,13 @@ def test_a_worker_waiting_for_its_release_notices_a_silent_server(cifar_dir, tmp
     hung, or its host cut off).  Worker 2 learns it within --timeout and exits with the
     retryable 200: waiting without a limit it would wait for ever, and with gloo's limit alone
     it gave up beside a live server, saying it was not released, and exited 0."""
-    server, *workers = worker_2_waiting_to_be_released(cifar_dir, tmp_path / "async", "4")
-    time.sleep(4)  # beyond --timeout
+    timeout = 4
+    server, *workers = worker_2_waiting_to_be_released(cifar_dir, tmp_path / "async", str(timeout))
+    time.sleep(timeout)  # worker 2 waits beyond --timeout
     try:
         assert server.poll() is None and workers[1].poll() is None, "worker 2 stopped waiting"
         server.send_signal(signal.SIGSTOP)
-        _, stderr = workers[1].communicate(timeout=4 + 20)
+        _, stderr = workers[1].communicate(timeout=timeout + 20)
     finally:
         for p in [server, *workers]:
             p.kill()
